@@ -1,0 +1,111 @@
+"""Ranked, concrete suggestions from a measured split. Pure: a function of the report's numbers."""
+
+from __future__ import annotations
+
+from .report import Advice, CellReport
+from .units import format_bytes
+
+MIN_SAVING = 1024**2  # below this, a suggestion is noise
+PRESSURE = 0.8  # the strategies for a big split apply when the peak reaches this share of the capacity
+
+
+def advise(report: CellReport) -> list[Advice]:
+    """Suggestions for ``report``, largest saving first; empty for a healthy cell."""
+    out: list[Advice] = []
+    out += _leaks(report)
+    if report.oom is not None or (report.capacity and report.peak.total >= PRESSURE * report.capacity):
+        out += _pressure(report)
+    out += _fragmentation(report)
+    return sorted((a for a in out if a.saving >= MIN_SAVING or a.kind in ("fragmentation", "oom")),
+                  key=lambda a: -a.saving)
+
+
+def _leaks(report: CellReport) -> list[Advice]:
+    after = report.after
+    out = []
+    phases = report.trace.phases() if report.trace is not None else {}
+    did_backward = "backward" in phases
+    inference = "forward" in phases and not did_backward and "optimizer" not in phases
+    for label, n in after.details("activations").items():
+        if label.startswith("graph held by "):
+            name = label[len("graph held by "):]
+            fix = f"`del {name}` when done, or keep `{name}.item()` / `{name}.detach()` instead of the tensor"
+            if not did_backward:
+                fix += "; for evaluation run the forward under `torch.no_grad()` or `torch.inference_mode()`"
+            out.append(Advice(f"`{name}` keeps an autograd graph alive", fix + ".", n, name, "graph"))
+    for label, n in after.details("other").items():
+        if label.startswith("output cache "):
+            name = label[len("output cache "):]
+            out.append(Advice(
+                f"IPython's output cache `{name}` holds tensors",
+                f"`del {name}` (and `Out.clear()`), or end the cell with `;` so its value is not cached.",
+                n, name, "output-cache"))
+    if after.gradients and inference:
+        holders = ", ".join(after.details("gradients")) or "the model"
+        out.append(Advice(
+            "gradients stay allocated while this cell does not train",
+            f"call `optimizer.zero_grad(set_to_none=True)` (or `{holders}.zero_grad(set_to_none=True)`) after "
+            "the step, and evaluate under `torch.no_grad()`.",
+            after.gradients, holders, "gradients"))
+    return out
+
+
+def _pressure(report: CellReport) -> list[Advice]:
+    peak = report.oom.live if report.oom is not None else report.peak
+    total = max(peak.total, 1)
+    model = next(iter(peak.details("parameters")), "the model")
+    out = []
+    act = peak.activations
+    if act / total >= 0.3:
+        out.append(Advice(
+            "activations dominate: activation checkpointing",
+            f"wrap blocks of `{model}` in `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`; "
+            "keeps only block inputs and recomputes the rest in backward (~30 % more compute). Rough "
+            "saving shown; `%vram_estimate` gives it for this model.",
+            int(act * 0.6), model, "checkpointing"))
+        out.append(Advice(
+            "activations dominate: bf16 autocast",
+            "run the forward under `torch.autocast(device_type, dtype=torch.bfloat16)`: activations "
+            "stored in 16 bits take half the space.",
+            act // 2, model, "amp"))
+        out.append(Advice(
+            "activations dominate: halve the batch and accumulate gradients",
+            "use half the batch and call `optimizer.step()` every 2 batches (scale the loss by 1/2); "
+            "activations scale with the batch size.",
+            act // 2, model, "batch"))
+    opt = peak.optimizer_state
+    if opt / total >= 0.25:
+        holder = next(iter(peak.details("optimizer_state")), "the optimizer")
+        out.append(Advice(
+            "optimizer state dominates: a lighter optimizer or sharding",
+            f"`{holder}`: Adam/AdamW keep two states per parameter; SGD with momentum keeps one (saves "
+            "half), plain SGD none; ZeRO-1/FSDP over N GPUs keeps 1/N of it on each.",
+            opt // 2, holder, "optimizer"))
+    grads = peak.gradients
+    if grads / total >= 0.25 and report.oom is not None:
+        out.append(Advice(
+            "gradients are a large share",
+            "ZeRO-2/FSDP shard gradients over GPUs; bf16 parameters halve them.",
+            grads // 2, model, "gradients"))
+    if report.oom is not None and report.oom.requested:
+        free = (report.oom.capacity or 0) - report.oom.live.total
+        out.append(Advice(
+            "the failing request",
+            f"{format_bytes(report.oom.requested)} was asked for with {format_bytes(max(free, 0))} free.",
+            0, "", "oom"))
+    return out
+
+
+def _fragmentation(report: CellReport) -> list[Advice]:
+    stats = report.stats
+    if stats is None or stats.reserved is None or not stats.reserved:
+        return []
+    cached = stats.reserved - stats.allocated
+    if cached < 256 * 1024**2 or cached < 0.3 * stats.reserved:
+        return []
+    return [Advice(
+        "reserved far above allocated (fragmentation or cache)",
+        f"{format_bytes(cached)} is reserved by PyTorch's cache but holds no tensor. Set "
+        "`PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` before the first CUDA call, or "
+        "`torch.cuda.empty_cache()` to hand it back (others on the GPU then see it free).",
+        cached, "", "fragmentation")]

@@ -1,0 +1,1 @@
+"""Backends that read memory (CPU live-storage tracker, CUDA allocator) and attribution to categories."""

@@ -1,0 +1,185 @@
+"""Who holds each live storage: parameters, gradients, optimizer state, activations or other.
+
+A scan walks the user's namespace (modules, optimizers, tensors, containers and plain objects, a few levels
+deep), then the autograd graphs hanging off the tensors it found. It returns plain data keyed by
+``id(storage)``; the storages themselves are only registered (weakly) in the :class:`LiveStorages`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .registry import LiveStorages
+
+_IPYTHON_NAMES = frozenset(
+    {"In", "Out", "_ih", "_oh", "_dh", "_i", "_ii", "_iii", "exit", "quit", "get_ipython", "__builtins__",
+     "__builtin__", "__name__", "__doc__", "__package__", "__loader__", "__spec__"}
+)
+_OUTPUT_CACHE = re.compile(r"^(_+|_\d+)$")
+_INPUT_CACHE = re.compile(r"^_i+\d*$")
+_MAX_OBJECTS = 20_000
+_MAX_ITEMS = 1_000
+
+
+@dataclass
+class Scan:
+    """``owner[id(storage)] = (category, label)``, plus the names that hold each graph."""
+
+    owner: dict[int, tuple[str, str]] = field(default_factory=dict)
+    holders: dict[int, str] = field(default_factory=dict)  # id(storage) -> variable name holding it
+
+    def category(self, key: int) -> tuple[str, str]:
+        return self.owner.get(key, ("other", "unattributed"))
+
+
+class _Walker:
+    def __init__(self, registry: LiveStorages) -> None:
+        self.registry = registry
+        self.scan = Scan()
+        self.modules: list[tuple[str, torch.nn.Module]] = []
+        self.optimizers: list[tuple[str, torch.optim.Optimizer]] = []
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self.cache_tensors: list[tuple[str, torch.Tensor]] = []
+        self.seen: set[int] = set()
+
+    # --- collect -------------------------------------------------------------------------------
+    def visit(self, name: str, obj: Any, depth: int, cache: bool = False) -> None:
+        if id(obj) in self.seen or len(self.seen) > _MAX_OBJECTS:
+            return
+        self.seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            (self.cache_tensors if cache else self.tensors).append((name, obj))
+        elif isinstance(obj, torch.nn.Module):
+            self.modules.append((name, obj))
+        elif isinstance(obj, torch.optim.Optimizer):
+            self.optimizers.append((name, obj))
+        elif depth <= 0 or isinstance(obj, (str, bytes, int, float, complex, bool, type, type(None))):
+            return
+        elif isinstance(obj, Mapping):
+            for i, (k, v) in enumerate(obj.items()):
+                if i >= _MAX_ITEMS:
+                    break
+                self.visit(f"{name}[{k!r}]", v, depth - 1, cache)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj[:_MAX_ITEMS]):
+                self.visit(f"{name}[{i}]", v, depth - 1, cache)
+        elif isinstance(obj, (set, frozenset)) or type(obj).__module__.startswith("vram_magic"):
+            return
+        else:
+            d = getattr(obj, "__dict__", None)
+            if isinstance(d, dict) and not callable(obj) and type(obj).__module__ != "builtins":
+                for k, v in list(d.items())[:_MAX_ITEMS]:
+                    self.visit(f"{name}.{k}", v, depth - 1, cache)
+
+    # --- assign (first claim wins: the order is the priority) -----------------------------------
+    def claim(self, t: Any, category: str, label: str, holder: str | None = None) -> int | None:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return None
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return None
+        key = id(storage)
+        self.registry.add(storage)
+        if key not in self.scan.owner:
+            self.scan.owner[key] = (category, label)
+            if holder:
+                self.scan.holders[key] = holder
+        return key
+
+    def assign(self) -> Scan:
+        params: list[tuple[str, torch.nn.Parameter]] = []
+        for name, m in self.modules:
+            params.extend((name, p) for p in m.parameters())
+        for name, opt in self.optimizers:
+            for group in opt.param_groups:
+                params.extend((name, p) for p in group.get("params", ()))
+        for name, p in params:
+            self.claim(p, "parameters", name, name)
+        for name, p in params:
+            if p.grad is not None:
+                self.claim(p.grad, "gradients", name, name)
+        for name, opt in self.optimizers:
+            for state in opt.state.values():
+                if isinstance(state, Mapping):
+                    for v in state.values():
+                        self.claim(v, "optimizer_state", name, name)
+        for name, m in self.modules:
+            for b in m.buffers():
+                self.claim(b, "other", f"buffers of {name}", name)
+        for name, t in self.tensors:
+            self.claim(t, "other", name, name)
+        for name, t in self.cache_tensors:
+            self.claim(t, "other", f"output cache {name}", name)
+        for name, t in self.tensors + self.cache_tensors:
+            if t.grad_fn is not None:
+                for saved, is_leaf in saved_tensors(t.grad_fn):
+                    if is_leaf:  # a parameter no module or optimizer in the namespace knows any more
+                        self.claim(saved, "parameters", f"held by the graph of {name}", name)
+                    else:
+                        self.claim(saved, "activations", f"graph held by {name}", name)
+        return self.scan
+
+
+def scan_namespace(namespace: Mapping[str, Any] | None, registry: LiveStorages, depth: int = 3) -> Scan:
+    """Attribute every storage reachable from ``namespace`` (an IPython ``user_ns`` or a module's globals)."""
+    walker = _Walker(registry)
+    if namespace:
+        for name, value in list(namespace.items()):
+            if name in _IPYTHON_NAMES or _INPUT_CACHE.match(name) or name.startswith("__"):
+                if name in ("Out", "_oh") and isinstance(value, Mapping):
+                    for k, v in list(value.items()):
+                        walker.visit(f"_{k}", v, depth, cache=True)
+                continue
+            if _OUTPUT_CACHE.match(name):
+                walker.visit(name, value, depth, cache=True)
+                continue
+            walker.visit(name, value, depth)
+    return walker.assign()
+
+
+_saved_attrs: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_names(node: Any) -> tuple[str, ...]:
+    names = _saved_attrs.get(type(node))
+    if names is None:
+        names = tuple(a for a in dir(node) if a.startswith("_saved_"))
+        if hasattr(node, "saved_tensors"):  # custom autograd.Function
+            names += ("saved_tensors",)
+        _saved_attrs[type(node)] = names
+    return names
+
+
+def saved_tensors(root: Any, limit: int = 200_000) -> Iterable[tuple[torch.Tensor, bool]]:
+    """``(tensor, is_leaf)``: tensors the autograd graph under ``root`` has saved for backward and not yet
+    freed, and the leaves (parameters) its ``AccumulateGrad`` nodes hold."""
+    stack = [root]
+    seen: set[int] = set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for attr in _saved_names(node):
+            try:
+                value = getattr(node, attr)
+            except Exception:  # freed by a backward, or not a tensor slot
+                continue
+            if isinstance(value, torch.Tensor):
+                yield value, False
+            elif isinstance(value, (tuple, list)):
+                for v in value:
+                    if isinstance(v, torch.Tensor):
+                        yield v, False
+        leaf = getattr(node, "variable", None)
+        if isinstance(leaf, torch.Tensor):
+            yield leaf, True
+        for nxt, _ in getattr(node, "next_functions", ()):
+            if nxt is not None and id(nxt) not in seen:
+                stack.append(nxt)

@@ -1,0 +1,323 @@
+"""``measure()``: the context manager that turns a block of code into a :class:`CellReport`."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import replace
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from ..report import Breakdown, CellReport, DeviceStats, OomInfo
+from ..trace import Block, Trace
+from ..units import format_bytes, parse_size
+from . import cuda
+from .attribution import Scan, scan_namespace
+from .frames import is_user_code
+from .registry import LiveStorages
+from .tracker import BACKWARD, CELL, FORWARD, OPTIMIZER, PHASE_NAMES, Tracker
+
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# What an allocation freed before the cell ended counts as, by the phase it was made in.
+PHASE_CATEGORY = {
+    FORWARD: ("activations", "forward intermediates"),
+    BACKWARD: ("other", "backward temporaries"),
+    OPTIMIZER: ("other", "optimizer temporaries"),
+    CELL: ("other", "temporaries"),
+}
+
+
+class Measurement:
+    """``with measure() as m: ...`` — after the block, ``m.report`` (and ``m.before``, ``m.peak``, …) hold
+    the result. Attribute access is forwarded to the report, so ``m`` reads like one.
+    """
+
+    def __init__(
+        self,
+        device: Any = None,
+        *,
+        namespace: Mapping[str, Any] | None = None,
+        budget: int | str | None = None,
+        previous: CellReport | None = None,
+        registry: LiveStorages | None = None,
+        record_sites: bool = True,
+        cell: int | None = None,
+        source: str = "",
+    ) -> None:
+        self.device = cuda.resolve_device(device)
+        self.namespace = namespace
+        self.budget = parse_size(budget) if budget is not None else None
+        self.previous = previous
+        self.registry = registry if registry is not None else LiveStorages()
+        self.record_sites = record_sites
+        self.cell = cell
+        self.source = source
+        self.report: CellReport | None = None
+        self._tracker: Tracker | None = None
+
+    # --- forward to the report once there is one --------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("report",):
+            raise AttributeError(name)
+        report = self.__dict__.get("report")
+        if report is None:
+            raise AttributeError(f"{name!r}: the measurement has not finished yet (use it after the with-block)")
+        return getattr(report, name)
+
+    def __repr__(self) -> str:
+        return repr(self.report) if self.report is not None else "<vram_magic measurement in progress>"
+
+    def __str__(self) -> str:
+        return str(self.report) if self.report is not None else repr(self)
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        if self.report is None:
+            return {"text/plain": repr(self)}
+        return self.report._repr_mimebundle_(include, exclude)
+
+    # --- measuring -------------------------------------------------------------------------------
+    def __enter__(self) -> Measurement:
+        self._stats_before = self._stats()
+        self._scan_before = scan_namespace(self.namespace, self.registry)
+        self._before_rows = self._rows(self._scan_before, allocs={})
+        self._before_owner = {e.serial: self._scan_before.category(k) for k, e in self.registry.entries(self.device)}
+        self._tracker = Tracker(self.registry, self.device, budget=self.budget, record_sites=self.record_sites)
+        self._t0 = time.perf_counter()
+        self._tracker.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        tracker = self._tracker
+        assert tracker is not None
+        tracker.__exit__(exc_type, exc, tb)
+        wall = time.perf_counter() - self._t0
+        oom_index = len(tracker.events)
+        notes: list[str] = []
+        is_oom = exc_type is not None and issubclass(exc_type, torch.OutOfMemoryError)
+        if is_oom and tb is not None:
+            release_traceback(tb)
+            gc.collect()
+        # Frees caused by the clean-up above still count as this cell's events.
+        self.registry.on_free = tracker._freed
+        try:
+            scan_after = scan_namespace(self.namespace, self.registry)
+        finally:
+            self.registry.on_free = None
+        stats_after = self._stats()
+        trace = self._trace(tracker, scan_after)
+        after = trace.breakdown_at(len(trace.events)) if not trace.truncated else Breakdown.from_rows(
+            self._rows(scan_after, tracker.allocs))
+        peak = trace.breakdown_at(trace.peak_index)
+        if tracker.truncated:
+            notes.append("history was truncated after 2,000,000 events; the peak split is approximate")
+        before_rows = dict(self._before_rows)
+        for size in tracker.late.values():
+            before_rows[("other", "unattributed")] = before_rows.get(("other", "unattributed"), 0) + size
+        before = Breakdown.from_rows(before_rows)
+        after, peak = self._reconcile(after, peak, stats_after, notes)
+        base = self.previous.after if self.previous is not None else before
+        oom = self._oom_info(tracker, trace, oom_index, exc) if is_oom else None
+        from ..advice import advise
+
+        report = CellReport(
+            device=self.device,
+            before=before,
+            after=after,
+            peak=peak,
+            delta=after - base,
+            cell=self.cell,
+            previous=self.previous.cell if self.previous is not None else None,
+            wall_time=wall,
+            capacity=self.budget if self.budget is not None else cuda.capacity(self.device),
+            budget=self.budget,
+            stats=stats_after,
+            error=None if exc_type is None else f"{exc_type.__name__}: {exc}",
+            oom=oom,
+            notes=tuple(notes),
+            source=self.source,
+            trace=trace,
+        )
+        self.report = replace(report, advice=tuple(advise(report)))
+        self._tracker = None
+        self.namespace = None  # may be a live frame's namespace: hold nothing after the block
+
+    def _stats(self) -> DeviceStats | None:
+        if self.device.startswith("cuda"):
+            return cuda.device_stats(self.device)
+        return None
+
+    def _rows(self, scan: Scan, allocs: Mapping[int, tuple[int, int, Any]]) -> dict[tuple[str, str], int]:
+        rows: dict[tuple[str, str], int] = {}
+        for key, entry in self.registry.entries(self.device):
+            cat = _category(scan, key, allocs.get(entry.serial))
+            rows[cat] = rows.get(cat, 0) + entry.size
+        return rows
+
+    def _trace(self, tracker: Tracker, scan_after: Scan) -> Trace:
+        blocks: dict[int, Block] = {}
+        alive = {e.serial: key for key, e in self.registry.entries(self.device)}
+        for serial, size in {**tracker.initial, **tracker.late}.items():
+            key = alive.get(serial)
+            if key is not None:
+                cat = scan_after.category(key)
+            else:
+                cat = self._before_owner.get(serial, ("other", "unattributed"))
+            blocks[serial] = Block(serial, size, cat[0], cat[1])
+        for serial, (size, phase, site) in tracker.allocs.items():
+            key = alive.get(serial)
+            cat = _category(scan_after, key, (size, phase, site)) if key is not None else PHASE_CATEGORY[phase]
+            blocks[serial] = Block(serial, size, cat[0], cat[1], site=site, phase=PHASE_NAMES[phase])
+        initial = tuple(tracker.initial) + tuple(tracker.late)
+        return Trace(self.device, blocks, initial, tracker.events, tracker.peak_index, tracker.truncated)
+
+    def _reconcile(self, after: Breakdown, peak: Breakdown, stats: DeviceStats | None,
+                   notes: list[str]) -> tuple[Breakdown, Breakdown]:
+        """On CUDA, add what the allocator holds beyond the tracked storages (workspaces, scratch)."""
+        if stats is None:
+            return after, peak
+        extra = stats.allocated - after.total
+        if extra > 0:
+            after = _add_other(after, "allocator: workspaces and untracked", extra)
+        alloc_peak = cuda.cell_peak(self._stats_before, stats)
+        if alloc_peak is not None and alloc_peak > peak.total:
+            peak = _add_other(peak, "allocator: kernel scratch and untracked", alloc_peak - peak.total)
+        elif alloc_peak is None:
+            notes.append("the allocator's global peak did not rise during this cell; the cell's peak is the "
+                         "tracked one (your max_memory_allocated was left untouched)")
+        return after, peak
+
+    def _oom_info(self, tracker: Tracker, trace: Trace, index: int, exc: BaseException | None) -> OomInfo:
+        info = tracker.oom or {}
+        live = trace.breakdown_at(index)
+        names = tracker.oom_holders
+        holders: dict[str, int] = {}
+        for serial in trace.alive_at(index):
+            b = trace.blocks[serial]
+            name = names.get(serial) or (b.label if b.label not in ("unattributed",) else "")
+            if name:
+                holders[name] = holders.get(name, 0) + b.size
+        return OomInfo(
+            message=str(exc) if exc is not None else "",
+            requested=info.get("requested"),
+            capacity=self.budget if self.budget is not None else cuda.capacity(self.device),
+            live=live,
+            holders=tuple(sorted(holders.items(), key=lambda kv: -kv[1])),
+            site=info.get("site", ()),
+        )
+
+
+def release_traceback(tb: TracebackType) -> None:
+    """After an OOM: end the traceback at the user's last frame (as a real CUDA OOM does) and clear the
+    locals of the finished frames, which hold the memory that ran out. Our own frames keep theirs."""
+    last_user = None
+    t: TracebackType | None = tb
+    while t is not None:
+        if is_user_code(t.tb_frame.f_code):
+            last_user = t
+        t = t.tb_next
+    if last_user is not None and last_user.tb_next is not None:
+        rest = last_user.tb_next
+        last_user.tb_next = None
+        traceback.clear_frames(rest)
+    t = tb
+    while t is not None:
+        if not t.tb_frame.f_code.co_filename.startswith(_OWN_DIR):
+            try:
+                t.tb_frame.clear()
+            except RuntimeError:  # still executing
+                pass
+        t = t.tb_next
+
+
+def _category(scan: Scan, key: int, alloc: tuple[int, int, Any] | None) -> tuple[str, str]:
+    owner = scan.owner.get(key)
+    if owner is not None:
+        return owner
+    if alloc is not None:
+        return PHASE_CATEGORY[alloc[1]]
+    return ("other", "unattributed")
+
+
+def _add_other(b: Breakdown, label: str, n: int) -> Breakdown:
+    rows = {(c, lab): v for c, lab, v in b.detail}
+    for c in b:
+        covered = sum(v for (cc, _), v in rows.items() if cc == c)
+        if b[c] - covered:
+            rows[(c, "")] = rows.get((c, ""), 0) + b[c] - covered
+    rows[("other", label)] = rows.get(("other", label), 0) + n
+    return Breakdown.from_rows(rows)
+
+
+def snapshot(device: str, namespace: Mapping[str, Any] | None,
+             registry: LiveStorages) -> tuple[Breakdown, DeviceStats | None]:
+    """The memory of ``device`` now, split by category (no tracking: a scan of the namespace)."""
+    scan = scan_namespace(namespace, registry)
+    rows: dict[tuple[str, str], int] = {}
+    for key, entry in registry.entries(device):
+        cat = scan.category(key)
+        rows[cat] = rows.get(cat, 0) + entry.size
+    now = Breakdown.from_rows(rows)
+    stats = cuda.device_stats(device) if device.startswith("cuda") else None
+    if stats is not None and stats.allocated > now.total:
+        now = _add_other(now, "allocator: workspaces and untracked", stats.allocated - now.total)
+    return now, stats
+
+
+class _FrameNamespace(Mapping[str, Any]):
+    """The caller's globals and locals, read afresh at each scan (variables made in the block count)."""
+
+    def __init__(self, frame: Any) -> None:
+        self._frame = frame
+
+    def _merged(self) -> dict[str, Any]:
+        merged = dict(self._frame.f_globals)
+        merged.update(self._frame.f_locals)
+        return merged
+
+    def __getitem__(self, key: str) -> Any:
+        return self._merged()[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._merged())
+
+    def __len__(self) -> int:
+        return len(self._merged())
+
+    def items(self) -> Any:
+        return self._merged().items()
+
+
+def measure(
+    device: Any = None,
+    *,
+    namespace: Mapping[str, Any] | None = None,
+    budget: int | str | None = None,
+    previous: CellReport | None = None,
+    record_sites: bool = True,
+) -> Measurement:
+    """Measure the memory of a block of code::
+
+        with vram_magic.measure() as m:
+            loss = model(x).sum()
+        print(m.peak["activations"], m.report)
+
+    ``namespace``: where to look for models, optimizers and tensors to attribute memory to (default: the
+    caller's globals). ``budget``: simulated device size (``"48MiB"``); past it the block raises
+    ``torch.OutOfMemoryError``. ``previous``: a report to diff against.
+    """
+    if namespace is None:
+        namespace = _FrameNamespace(sys._getframe(1))
+    if budget is not None and not isinstance(budget, (int, str)):
+        raise TypeError(f"budget must be a size like '4GiB' or a number of bytes, not {type(budget).__name__}")
+    return Measurement(device, namespace=namespace, budget=budget, previous=previous, record_sites=record_sites)
+
+
+__all__ = ["Measurement", "measure", "format_bytes"]

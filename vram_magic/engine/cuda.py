@@ -1,0 +1,69 @@
+"""CUDA specifics: device resolution, allocator statistics, the allocator's rounding.
+
+Everything that only a GPU can answer lives here, small, so the rest of the engine is shared with CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..report import DeviceStats
+
+
+def resolve_device(device: Any = None) -> str:
+    """``None`` → the current CUDA device if there is one, else ``cpu``. Returns ``cpu`` or ``cuda:N``."""
+    if device is None:
+        if torch.cuda.is_available():
+            return f"cuda:{torch.cuda.current_device()}"
+        return "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from err
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type != "cuda":
+        raise ValueError(f"device {device!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    return f"cuda:{index}"
+
+
+def device_stats(device: str) -> DeviceStats:
+    """Allocator statistics and the driver's free/total for ``cuda:N``."""
+    index = int(device.split(":")[1])
+    stats = torch.cuda.memory_stats(index)
+    free, total = torch.cuda.mem_get_info(index)
+    return DeviceStats(
+        device=device,
+        allocated=int(stats.get("allocated_bytes.all.current", 0)),
+        reserved=int(stats.get("reserved_bytes.all.current", 0)),
+        total=int(total),
+        free=int(free),
+        inactive_split=int(stats.get("inactive_split_bytes.all.current", 0)),
+        peak_allocated=int(stats.get("allocated_bytes.all.peak", 0)),
+    )
+
+
+def capacity(device: str) -> int | None:
+    if device.startswith("cuda"):
+        return int(torch.cuda.get_device_properties(int(device.split(":")[1])).total_memory)
+    return None
+
+
+def cell_peak(before: DeviceStats | None, after: DeviceStats | None) -> int | None:
+    """The allocator's peak during the cell without resetting the user's peak counter.
+
+    If the global peak rose during the cell, the new global peak *is* the cell's peak. If it did not, the
+    cell's peak is somewhere at or below it and only the trace can tell (``None``).
+    """
+    if before is None or after is None or before.peak_allocated is None or after.peak_allocated is None:
+        return None
+    if after.peak_allocated > before.peak_allocated:
+        return after.peak_allocated
+    return None

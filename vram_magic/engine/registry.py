@@ -1,0 +1,95 @@
+"""A weak registry of live storages: what the CPU allocator does not count for us.
+
+Keys are ``id(storage)``: a storage's Python object lives exactly as long as its C++ storage (PyTorch
+preserves it), so a weakref callback tells us when the memory is freed. Only weakrefs are held.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+
+class Entry:
+    __slots__ = ("ref", "serial", "size", "device", "addr")
+
+    def __init__(self, ref: weakref.ref, serial: int, size: int, device: str, addr: int) -> None:
+        self.ref = ref
+        self.serial = serial
+        self.size = size
+        self.device = device
+        self.addr = addr
+
+
+def storage_size(storage: Any, device: str) -> int:
+    """Bytes a storage occupies: CUDA's caching allocator rounds each block up to 512 bytes."""
+    n = int(storage.nbytes())
+    return -(-n // 512) * 512 if device.startswith("cuda") else n
+
+
+def device_key(device: Any) -> str:
+    """``cpu``, ``cuda:0``, ``meta`` — what two storages must share to be counted together."""
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else 0}"
+    return str(device.type)
+
+
+class LiveStorages:
+    """``id(storage) -> Entry`` for every storage we have seen and that is still alive."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, Entry] = {}
+        self._serials = itertools.count(1)
+        # Called with the Entry of each freed storage (the active tracker listens while a cell runs).
+        self.on_free: Callable[[Entry], None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: int) -> Entry | None:
+        return self._entries.get(key)
+
+    def add(self, storage: Any) -> Entry:
+        """Register ``storage`` (an ``UntypedStorage``) if new; return its entry."""
+        key = id(storage)
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
+        try:
+            addr = storage.data_ptr()
+        except Exception:  # fake or otherwise dataless storages
+            addr = 0
+        device = device_key(storage.device)
+        entry = Entry(
+            weakref.ref(storage, self._make_callback(key)),
+            next(self._serials),
+            storage_size(storage, device),
+            device,
+            addr,
+        )
+        self._entries[key] = entry
+        return entry
+
+    def _make_callback(self, key: int) -> Callable[[weakref.ref], None]:
+        def freed(_ref: weakref.ref, key: int = key, entries: dict[int, Entry] = self._entries) -> None:
+            entry = entries.pop(key, None)
+            listener = self.on_free
+            if entry is not None and listener is not None:
+                listener(entry)
+
+        return freed
+
+    def entries(self, device: str | None = None) -> Iterator[tuple[int, Entry]]:
+        for key, entry in list(self._entries.items()):
+            if device is None or entry.device == device:
+                yield key, entry
+
+    def live_bytes(self, device: str) -> int:
+        return sum(e.size for e in self._entries.values() if e.device == device)
+
+    def clear(self) -> None:
+        """Forget everything (the weakrefs die with their entries, so no callback fires later)."""
+        self.on_free = None
+        self._entries.clear()

@@ -1,0 +1,216 @@
+"""The live-storage tracker: a ``TorchDispatchMode`` that sees every tensor an op returns.
+
+It counts new storages (allocations) as they appear and frees by weakref callback, so it knows live
+bytes, the peak and the order of events — what the CPU allocator does not tell us. It also notes the
+phase of each allocation (module forward, backward, optimizer step, plain cell code) and, cheaply, the
+user's frames, so allocations that are gone by the end of the cell can still be attributed.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..units import format_bytes
+from .frames import user_frames
+from .registry import Entry, LiveStorages, device_key, storage_size
+
+# Allocation phases, stored per allocation.
+CELL, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
+PHASE_NAMES = ("cell", "forward", "backward", "optimizer")
+
+
+class BudgetExceeded(Exception):
+    """Internal marker; users see ``torch.OutOfMemoryError``."""
+
+
+class Tracker(TorchDispatchMode):
+    """Track allocations on one device while active.
+
+    ``budget``: simulated capacity in bytes; an op whose result would push live memory beyond it raises
+    ``torch.OutOfMemoryError``, as a full GPU would.
+    """
+
+    def __init__(
+        self,
+        registry: LiveStorages,
+        device: str,
+        *,
+        budget: int | None = None,
+        record_sites: bool = True,
+        max_events: int = 2_000_000,
+    ) -> None:
+        super().__init__()
+        self.registry = registry
+        self.device = device
+        self.budget = budget
+        self.record_sites = record_sites
+        self.max_events = max_events
+        self.current = registry.live_bytes(device)
+        self.baseline = self.current
+        # serial -> size of the storages alive at the start, and of those first seen later as an op's input
+        self.initial = {e.serial: e.size for _, e in registry.entries(device)}
+        self.late: dict[int, int] = {}
+        self.oom_holders: dict[int, str] = {}  # serial -> "x in f" for the locals alive at an OOM
+        self.peak = self.current
+        self.peak_index = 0
+        self.events = array("q")
+        self.truncated = False
+        self.allocs: dict[int, tuple[int, int, tuple[tuple[str, int, str], ...]]] = {}  # serial -> (size, phase, site)
+        self.oom: dict[str, Any] | None = None
+        self._optimizer_depth = 0
+        self._module_depth = 0
+        self._aliasing: dict[Any, bool] = {}
+        self._hooks: list[Any] = []
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def __enter__(self) -> Tracker:
+        self.registry.on_free = self._freed
+        import torch.nn.modules.module as mod
+        import torch.optim.optimizer as opt
+
+        self._hooks = [
+            opt.register_optimizer_step_pre_hook(self._opt_pre),
+            opt.register_optimizer_step_post_hook(self._opt_post),
+            mod.register_module_forward_pre_hook(self._mod_pre),
+            mod.register_module_forward_hook(self._mod_post, always_call=True),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            if self.registry.on_free == self._freed:
+                self.registry.on_free = None
+
+    def _opt_pre(self, *_: Any) -> None:
+        self._optimizer_depth += 1
+
+    def _opt_post(self, *_: Any) -> None:
+        self._optimizer_depth = max(self._optimizer_depth - 1, 0)
+
+    def _mod_pre(self, *_: Any) -> None:
+        self._module_depth += 1
+
+    def _mod_post(self, *_: Any) -> None:
+        self._module_depth = max(self._module_depth - 1, 0)
+
+    def phase(self) -> int:
+        if self._optimizer_depth:
+            return OPTIMIZER
+        if torch._C._current_autograd_node() is not None:
+            return BACKWARD
+        if self._module_depth:
+            return FORWARD
+        return CELL
+
+    # --- events ----------------------------------------------------------------------------------
+    def _freed(self, entry: Entry) -> None:
+        if entry.device != self.device:
+            return
+        self.current -= entry.size
+        if len(self.events) < self.max_events:
+            self.events.append(-entry.serial)
+        else:
+            self.truncated = True
+
+    def _new(self, storage: Any) -> None:
+        size = storage_size(storage, self.device)
+        if self.budget is not None and self.current + size > self.budget:
+            self._raise_oom(size)
+        entry = self.registry.add(storage)
+        self.current += size
+        if len(self.events) < self.max_events:
+            self.events.append(entry.serial)
+        else:
+            self.truncated = True
+        site = user_frames(sys._getframe(3)) if self.record_sites else ()
+        self.allocs[entry.serial] = (size, self.phase(), site)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_index = len(self.events)
+
+    def _raise_oom(self, size: int) -> None:
+        site = user_frames(sys._getframe(4))
+        self.oom = {"requested": size, "in_use": self.current, "site": site, "phase": self.phase()}
+        self._name_locals(sys._getframe(4))
+        msg = (
+            f"{self.device} out of memory under the simulated budget: tried to allocate "
+            f"{format_bytes(size)}; {format_bytes(self.current)} of the {format_bytes(self.budget or 0)} "
+            f"budget already in use ({format_bytes(max((self.budget or 0) - self.current, 0))} free)."
+        )
+        raise torch.OutOfMemoryError(msg)
+
+    def _name_locals(self, frame: Any) -> None:
+        """Which local variables of the user's frames hold memory at an OOM (names and serials only)."""
+        from ..trace import cell_name
+        from .frames import is_user_code
+
+        while frame is not None:
+            if is_user_code(frame.f_code):
+                where = frame.f_code.co_name
+                where = cell_name(frame.f_code.co_filename) if where == "<module>" else f"{where}()"
+                for name, value in list(frame.f_locals.items()):
+                    if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+                        entry = self.registry.get(id(value.untyped_storage()))
+                        if entry is not None and entry.serial not in self.oom_holders:
+                            self.oom_holders[entry.serial] = f"{name} in {where}"
+            frame = frame.f_back
+
+    def _late(self, storage: Any) -> None:
+        """A storage alive before the cell that no scan found (seen as an op's input/alias)."""
+        entry = self.registry.add(storage)
+        self.late[entry.serial] = entry.size
+        self.current += entry.size
+        self.baseline += entry.size
+        self.peak += entry.size
+
+    def _see(self, t: torch.Tensor, func: Any) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
+            return
+        entry = self.registry.get(id(storage))
+        if entry is not None:
+            size = storage_size(storage, entry.device)
+            if entry.device == self.device and entry.size != size:  # resized in place (out=)
+                grow = size - entry.size
+                entry.size += grow
+                self.current += grow
+                self.peak = max(self.peak, self.current)
+            return
+        if device_key(t.device) != self.device:
+            self.registry.add(storage)  # another device: known for its own reports, not counted here
+            return
+        if self._aliases(func):
+            self._late(storage)
+            return
+        self._new(storage)
+
+    def _aliases(self, func: Any) -> bool:
+        hit = self._aliasing.get(func)
+        if hit is None:
+            try:
+                hit = any(r.alias_info is not None for r in func._schema.returns)
+            except AttributeError:
+                hit = False
+            self._aliasing[func] = hit
+        return hit
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self._see(out, func)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self._see(o, func)
+        return out

@@ -1,0 +1,261 @@
+"""The IPython shell: ``%%vram``, ``%vram …`` and ``%vram_estimate``. A thin layer over the Python API."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+from traitlets import Bool, Int
+
+from .session import Session
+from .units import parse_size
+
+_LINE_HELP = (
+    "%vram                 memory of the device now\n"
+    "%vram history         one row per measured cell (pandas DataFrame)\n"
+    "%vram diff [A B]      compare two measured cells (default: the last two)\n"
+    "%vram auto on|off     measure every cell\n"
+    "%vram budget SIZE|off simulate a device of SIZE (e.g. 4GiB) for the following cells\n"
+    "%vram save PATH [N]   write cell N's (default: last) allocation history as a PyTorch snapshot pickle\n"
+    "%vram export PATH     write the history as .csv or .json\n"
+    "%vram reset           forget the history"
+)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except (TypeError, ValueError) as err:
+        raise UsageError(str(err)) from None
+
+
+@magics_class
+class VramMagics(Magics):
+    """Settings (``%config VramMagics.history_size = 50``) are traitlets."""
+
+    history_size = Int(200, help="How many measured cells the history keeps.").tag(config=True)
+    widget = Bool(True, help="Show the ipywidgets view (else HTML and text only).").tag(config=True)
+    record_sites = Bool(True, help="Record the user code line of each allocation (timeline, peak sites).").tag(
+        config=True)
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.session = Session(shell.user_ns, history_size=self.history_size)
+        self._auto = False
+        self._auto_skip = False
+        self.observe(lambda ch: self.session.resize(ch["new"]), names="history_size")
+
+    # --- %%vram ----------------------------------------------------------------------------------
+    @magic_arguments()
+    @argument("-o", "--output", metavar="NAME", help="store the report in the variable NAME (also on error)")
+    @argument("-q", "--quiet", action="store_true", help="do not display the report")
+    @argument("--device", help="cpu, cuda or cuda:N (default: the current CUDA device if any, else cpu)")
+    @argument("--budget", metavar="SIZE", help="simulated device size, e.g. 48MiB or 4GiB")
+    @argument("--timeline", action="store_true", help="also plot memory over the cell's allocations")
+    @argument("--no-trace", action="store_true", help="do not record the code line of each allocation")
+    @argument("rest", nargs="*", help="%%vram subcommand (line magic only)")
+    @line_cell_magic
+    def vram(self, line: str, cell: str | None = None) -> Any:
+        """Measure a cell's memory (``%%vram``) or inspect the session (``%vram …``)."""
+        if cell is None:
+            return self._line(line)
+        args = parse_argstring(self.vram, line)
+        if args.rest:
+            raise UsageError(f"unexpected {' '.join(args.rest)!r} after %%vram; options: -o NAME, -q, --device DEV, "
+                             "--budget SIZE, --timeline, --no-trace")
+        budget = _size(args.budget) if args.budget else None
+        if self.session.active is not None:
+            raise UsageError("%%vram cannot run inside another measured cell (nested %%vram, or %vram auto on): "
+                             "measure the outer cell only")
+        if args.output and not args.output.isidentifier():
+            raise UsageError(f"-o needs a variable name, got {args.output!r}")
+        try:
+            self.session.record_sites = self.record_sites and not args.no_trace
+            self.session.start(args.device, budget=budget, cell=self.shell.execution_count, source=cell)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        finally:
+            self.session.record_sites = self.record_sites
+        return self._run_measured(cell, args)
+
+    def _run_measured(self, cell: str, args: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841  (IPython hides this frame in tracebacks)
+        error: BaseException | None = None
+        value: Any = None
+        try:
+            value = self._execute(cell)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            report = self.session.finish(error)
+            if args.output:
+                self.shell.user_ns[args.output] = report
+            if error is not None:
+                del error  # the traceback holds frames; do not keep it in this frame
+            if not args.quiet:
+                if value is not None:
+                    self.shell.displayhook(value)
+                    value = None
+                self._show(report, timeline=args.timeline)
+        return None
+
+    def _execute(self, cell: str) -> Any:
+        """Run the cell's code in the user namespace; return the last expression's value (like a cell)."""
+        __tracebackhide__ = True  # noqa: F841
+        shell = self.shell
+        source = shell.transform_cell(cell)
+        filename = shell.compile.cache(source, shell.execution_count, raw_code=cell)
+        flags = shell.compile.flags | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        tree = compile(source, filename, "exec", ast.PyCF_ONLY_AST | flags, dont_inherit=True)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        ns = shell.user_ns
+        self._run_code(compile(tree, filename, "exec", flags, dont_inherit=True), ns)
+        if last is None:
+            return None
+        expr = compile(ast.Expression(last.value), filename, "eval", flags, dont_inherit=True)
+        return self._run_code(expr, ns)
+
+    def _run_code(self, code: Any, ns: dict[str, Any]) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        import inspect
+
+        if code.co_flags & inspect.CO_COROUTINE:
+            return self.shell.loop_runner(eval(code, ns))
+        return eval(code, ns)
+
+    def _show(self, report: Any, timeline: bool = False) -> None:
+        from .render.widget import report_bundle
+
+        display(report_bundle(report, widget=self.widget and _has_kernel(self.shell)), raw=True)
+        if timeline:
+            from IPython.display import Image
+
+            from .render.timeline import figure_png
+
+            display(Image(figure_png(report.timeline())))
+
+    # --- %vram subcommands -----------------------------------------------------------------------
+    def _line(self, line: str) -> Any:
+        words = line.split()
+        if not words:
+            return self.session.now()
+        cmd, rest = words[0], words[1:]
+        try:
+            if cmd == "history":
+                return self.session.history_frame()
+            if cmd == "diff":
+                if len(rest) not in (0, 2):
+                    raise UsageError("usage: %vram diff [A B] (two measured cell numbers)")
+                return self.session.diff(*rest) if rest else self.session.diff()
+            if cmd == "auto":
+                if rest not in (["on"], ["off"]):
+                    raise UsageError("usage: %vram auto on|off")
+                self.set_auto(rest[0] == "on")
+                print(f"%vram auto {rest[0]}: {'every cell is measured' if self._auto else 'cells are not measured'}")
+                return None
+            if cmd == "reset":
+                self.session.reset()
+                print("%vram: history cleared")
+                return None
+            if cmd == "budget":
+                if len(rest) != 1:
+                    raise UsageError("usage: %vram budget SIZE|off (e.g. %vram budget 4GiB)")
+                self.session.budget = None if rest[0] == "off" else _size(rest[0])
+                return None
+            if cmd == "save":
+                if len(rest) not in (1, 2):
+                    raise UsageError("usage: %vram save PATH [CELL]")
+                report = self.session.report(rest[1] if len(rest) == 2 else -1)
+                path = report.save_snapshot(rest[0])
+                print(f"%vram: wrote {path} (open it at PyTorch's memory viewer)")
+                return None
+            if cmd == "export":
+                if len(rest) != 1:
+                    raise UsageError("usage: %vram export PATH.csv|PATH.json")
+                from .history import export_history
+
+                print(f"%vram: wrote {export_history(list(self.session.history), rest[0])}")
+                return None
+            if cmd.startswith("-") or cmd in ("cpu",) or cmd.startswith("cuda"):
+                dev = rest[0] if cmd == "--device" and rest else (cmd if not cmd.startswith("-") else None)
+                if dev is None:
+                    raise UsageError("usage: %vram [--device DEV]")
+                return self.session.now(dev)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        raise UsageError(f"unknown %vram subcommand {cmd!r}. Use:\n{_LINE_HELP}")
+
+    # --- auto mode -------------------------------------------------------------------------------
+    def set_auto(self, on: bool) -> None:
+        events = self.shell.events
+        if on and not self._auto:
+            events.register("pre_run_cell", self._pre_run_cell)
+            events.register("post_run_cell", self._post_run_cell)
+        elif not on and self._auto:
+            events.unregister("pre_run_cell", self._pre_run_cell)
+            events.unregister("post_run_cell", self._post_run_cell)
+        self._auto = on
+
+    def _pre_run_cell(self, info: Any) -> None:
+        raw = (getattr(info, "raw_cell", "") or "").lstrip()
+        self._auto_skip = raw.startswith("%%vram") or raw.startswith("%vram") or self.session.active is not None
+        if not self._auto_skip:
+            self.session.start(cell=self.shell.execution_count, source=raw)
+
+    def _post_run_cell(self, result: Any) -> None:
+        if self._auto_skip or self.session.active is None:
+            return
+        report = self.session.finish(result.error_in_exec)
+        self._show(report)
+
+    # --- %vram_estimate --------------------------------------------------------------------------
+    @line_magic
+    def vram_estimate(self, line: str) -> Any:
+        """Predict a training or inference step's memory without a GPU. See ``%vram_estimate?``."""
+        from .estimate.magic import run_estimate_magic
+
+        return run_estimate_magic(self, line)
+
+    def close(self) -> None:
+        self.set_auto(False)
+        self.session.close()
+
+
+def _has_kernel(shell: Any) -> bool:
+    return getattr(shell, "kernel", None) is not None
+
+
+_EXT_KEY = "_vram_magic_extension"
+
+
+def load(ipython: Any) -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("vram_magic needs PyTorch, which this kernel cannot import. Install it (e.g. `%pip install torch`) "
+              "and run `%load_ext vram_magic` again.", file=sys.stderr)
+        return
+    if getattr(ipython, _EXT_KEY, None) is not None:
+        return
+    magics = VramMagics(ipython)
+    ipython.register_magics(magics)
+    setattr(ipython, _EXT_KEY, magics)
+
+
+def unload(ipython: Any) -> None:
+    magics = getattr(ipython, _EXT_KEY, None)
+    if magics is None:
+        return
+    magics.close()
+    table = ipython.magics_manager.magics
+    for kind, names in (("line", ("vram", "vram_estimate")), ("cell", ("vram",))):
+        for name in names:
+            table[kind].pop(name, None)
+    ipython.magics_manager.registry.pop("VramMagics", None)
+    setattr(ipython, _EXT_KEY, None)

@@ -1,0 +1,105 @@
+"""Plain-text rendering: terminal IPython, saved notebooks on GitHub, ``print(report)``."""
+
+from __future__ import annotations
+
+from ..report import CATEGORIES, LABELS, Breakdown, CellReport
+from ..trace import format_frame
+from ..units import format_bytes
+
+_SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
+          "other": "other"}
+
+
+def title(report: CellReport) -> str:
+    cell = f"cell {report.cell}" if report.cell is not None else "block"
+    cap = ""
+    if report.capacity:
+        cap = f" · {'budget' if report.budget else 'capacity'} {format_bytes(report.capacity)}"
+    return f"%%vram {cell} · {report.device}{cap} · {report.wall_time * 1000:.0f} ms"
+
+
+def table(rows: list[tuple[str, Breakdown]], signed: bool = False) -> str:
+    head = ["".ljust(12)] + [_SHORT[c].rjust(11) for c in CATEGORIES] + ["total".rjust(11)]
+    lines = ["".join(head)]
+    for name, b in rows:
+        cells = [name.ljust(12)] + [format_bytes(b[c], signed=signed).rjust(11) for c in CATEGORIES]
+        cells.append(format_bytes(b.total, signed=signed).rjust(11))
+        lines.append("".join(cells))
+    return "\n".join(lines)
+
+
+def bar(b: Breakdown, scale: int, width: int = 40) -> str:
+    chars = {"parameters": "P", "gradients": "G", "optimizer_state": "O", "activations": "A", "other": "."}
+    out = ""
+    for c in CATEGORIES:
+        out += chars[c] * round(width * b[c] / scale) if scale else ""
+    return out[:width].ljust(width)
+
+
+def report_text(report: CellReport) -> str:
+    lines = [title(report)]
+    scale = max(report.capacity or 0, report.peak.total, report.before.total, report.after.total, 1)
+    rows = [("before", report.before), ("after", report.after), ("peak", report.peak)]
+    lines.append(table(rows))
+    for name, b in rows:
+        lines.append(f"  {name:<7}|{bar(b, scale)}| {format_bytes(b.total)}")
+    lines.append("  P parameters  G gradients  O optimizer state  A activations  . other")
+    since = f"cell {report.previous}" if report.previous is not None else "before"
+    lines.append(table([(f"Δ vs {since}"[:12], report.delta)], signed=True))
+    top = [(label, n) for label, n in report.after.details("other").items() if n][:3]
+    if top:
+        lines.append("  other after: " + ", ".join(f"{lab or '?'} {format_bytes(n)}" for lab, n in top))
+    if report.stats is not None and report.stats.reserved is not None:
+        s = report.stats
+        lines.append(
+            f"  allocator: allocated {format_bytes(s.allocated)}, reserved {format_bytes(s.reserved)}"
+            + (f", device used {format_bytes(s.used)} of {format_bytes(s.total or 0)}" if s.used is not None else "")
+        )
+    if report.trace is not None:
+        sites = report.peak_sites(3)
+        if sites:
+            lines.append("  at the peak: " + ", ".join(f"{site} {format_bytes(n)}" for site, n in sites))
+    if report.oom is not None:
+        lines.append(oom_text(report))
+    if report.error and report.oom is None:
+        lines.append(f"  the cell raised {report.error}")
+    for a in report.advice:
+        lines.append(f"  advice: {a}")
+    for note in report.notes:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def oom_text(report: CellReport) -> str:
+    oom = report.oom
+    assert oom is not None
+    req = format_bytes(oom.requested) if oom.requested else "?"
+    where = f" at {format_frame(oom.site[-1] if len(oom.site) > 1 else oom.site[0])}" if oom.site else ""
+    parts = [f"  OUT OF MEMORY: a request of {req}{where}; alive then: " + ", ".join(
+        f"{LABELS[c]} {format_bytes(oom.live[c])}" for c in CATEGORIES if oom.live[c])]
+    if oom.holders:
+        parts.append("  held by: " + ", ".join(f"{n} {format_bytes(b)}" for n, b in oom.holders[:5]))
+    return "\n".join(parts)
+
+
+def history_line(report: CellReport) -> str:
+    return f"cell {report.cell}: after {format_bytes(report.after.total)}, peak {format_bytes(report.peak.total)}"
+
+
+def now_text(now: object) -> str:
+    from ..session import MemoryNow
+
+    assert isinstance(now, MemoryNow)
+    b = now.breakdown
+    lines = [f"%vram · {now.device} now"]
+    lines.append(table([("now", b)]))
+    s = now.stats
+    if s is not None:
+        lines.append(f"  allocated {format_bytes(s.allocated)} · reserved {format_bytes(s.reserved or 0)}"
+                     + (f" · free {format_bytes(s.free)} of {format_bytes(s.total)}" if s.total and s.free is not None
+                        else "")
+                     + (f" · outside PyTorch (CUDA context, other processes) {format_bytes(s.outside_allocator)}"
+                        if s.outside_allocator is not None else ""))
+    elif now.capacity:
+        lines.append(f"  budget {format_bytes(now.capacity)} · free {format_bytes(max(now.capacity - b.total, 0))}")
+    return "\n".join(lines)

@@ -1,0 +1,150 @@
+"""The state that lives across cells: history, the previous report, the weak storage registry, settings.
+
+One ``Session`` is created per extension load (or by a script); there are no module globals.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .report import Breakdown, CellReport, DeviceStats
+from .units import parse_size
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from .engine.cell import Measurement
+
+
+@dataclass(frozen=True)
+class MemoryNow:
+    """What ``%vram`` shows: the device's memory at this moment, split by category."""
+
+    device: str
+    breakdown: Breakdown
+    stats: DeviceStats | None
+    capacity: int | None
+
+    def __str__(self) -> str:
+        from .render.text import now_text
+
+        return now_text(self)
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        from .render.html import now_html
+
+        return {"text/plain": str(self), "text/html": now_html(self)}
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+
+class Session:
+    """Measured cells of one notebook, in order."""
+
+    def __init__(self, namespace: Mapping[str, Any] | None = None, *, history_size: int = 200) -> None:
+        from .engine.registry import LiveStorages
+
+        self.namespace = namespace
+        self.registry = LiveStorages()
+        self.history: deque[CellReport] = deque(maxlen=history_size)
+        self.budget: int | None = None
+        self.record_sites = True
+        self.active: Measurement | None = None
+
+    # --- measuring -------------------------------------------------------------------------------
+    def start(self, device: Any = None, *, budget: int | str | None = None, cell: int | None = None,
+              source: str = "") -> Measurement:
+        """Begin measuring; ``finish`` ends it. Refuses to nest."""
+        from .engine.cell import Measurement
+
+        if self.active is not None:
+            raise RuntimeError("a measurement is already running in this session (nested %%vram is not supported; "
+                               "remove the inner %%vram or measure the outer cell only)")
+        budget = parse_size(budget) if budget is not None else self.budget
+        m = Measurement(device, namespace=self.namespace, budget=budget, previous=self.last,
+                        registry=self.registry, record_sites=self.record_sites, cell=cell, source=source)
+        m.__enter__()
+        self.active = m
+        return m
+
+    def finish(self, exc: BaseException | None = None) -> CellReport:
+        m = self.active
+        assert m is not None, "finish() without start()"
+        self.active = None
+        try:
+            m.__exit__(type(exc) if exc is not None else None, exc, exc.__traceback__ if exc is not None else None)
+        finally:
+            m.namespace = None
+        assert m.report is not None
+        self.history.append(m.report)
+        return m.report
+
+    @property
+    def last(self) -> CellReport | None:
+        return self.history[-1] if self.history else None
+
+    def resize(self, history_size: int) -> None:
+        if history_size < 1:
+            raise ValueError("history_size must be at least 1")
+        self.history = deque(self.history, maxlen=history_size)
+
+    # --- reading ---------------------------------------------------------------------------------
+    def now(self, device: Any = None) -> MemoryNow:
+        from .engine import cuda
+        from .engine.cell import snapshot
+
+        dev = cuda.resolve_device(device)
+        breakdown, stats = snapshot(dev, self.namespace, self.registry)
+        return MemoryNow(dev, breakdown, stats, self.budget or cuda.capacity(dev))
+
+    def report(self, cell: int | str) -> CellReport:
+        """The report of measured cell ``cell`` (its execution count); ``-1`` is the last one."""
+        try:
+            n = int(cell)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"cell must be a number, got {cell!r}") from err
+        if n < 0:
+            if -n > len(self.history):
+                raise ValueError(f"only {len(self.history)} measured cell(s) in the history")
+            return self.history[n]
+        for r in reversed(self.history):
+            if r.cell == n:
+                return r
+        known = ", ".join(str(r.cell) for r in self.history) or "none yet"
+        raise ValueError(f"cell {n} was not measured (measured cells: {known})")
+
+    def history_frame(self) -> pd.DataFrame:
+        from .history import history_frame
+
+        return history_frame(list(self.history))
+
+    def diff(self, a: int | str | None = None, b: int | str | None = None) -> pd.DataFrame:
+        from .history import diff_frame
+
+        if a is None and b is None:
+            if len(self.history) < 2:
+                raise ValueError("%vram diff needs two measured cells (or name them: %vram diff A B)")
+            ra, rb = self.history[-2], self.history[-1]
+        elif a is None or b is None:
+            raise ValueError("give two cell numbers: %vram diff A B")
+        else:
+            ra, rb = self.report(a), self.report(b)
+        return diff_frame(ra, rb)
+
+    def reset(self) -> None:
+        self.history.clear()
+
+    def close(self) -> None:
+        """Forget every weakref and report; nothing of this session stays alive or called back."""
+        if self.active is not None:
+            try:
+                self.finish()
+            except Exception:
+                pass
+        self.history.clear()
+        self.registry.clear()
+        self.namespace = None

@@ -1,0 +1,110 @@
+"""The allocation history of one cell: one event model for CPU and CUDA, replayed for peak and timeline."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .report import CATEGORIES, Breakdown
+
+Frame = tuple[str, int, str]  # (filename, line, function)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One storage seen during the cell (or alive when it started)."""
+
+    serial: int
+    size: int
+    category: str
+    label: str
+    addr: int = 0
+    site: tuple[Frame, ...] = ()
+    phase: str = ""  # "forward", "backward", "optimizer", "cell" for allocations made during the cell
+
+
+@dataclass(frozen=True)
+class Trace:
+    """``events`` holds ``+serial`` for an allocation and ``-serial`` for a free, in order.
+
+    ``initial`` are the serials alive before the first event. ``peak_index`` is the number of events applied
+    when memory was highest (0: the peak is the start).
+    """
+
+    device: str
+    blocks: Mapping[int, Block]
+    initial: tuple[int, ...]
+    events: array = field(default_factory=lambda: array("q"))
+    peak_index: int = 0
+    truncated: bool = False
+
+    def alive_at(self, index: int) -> set[int]:
+        alive = set(self.initial)
+        for ev in self.events[:index]:
+            if ev > 0:
+                alive.add(ev)
+            else:
+                alive.discard(-ev)
+        return alive
+
+    def breakdown_at(self, index: int) -> Breakdown:
+        rows: dict[tuple[str, str], int] = {}
+        for serial in self.alive_at(index):
+            b = self.blocks[serial]
+            rows[(b.category, b.label)] = rows.get((b.category, b.label), 0) + b.size
+        return Breakdown.from_rows(rows)
+
+    def totals(self) -> dict[str, list[int]]:
+        """Bytes per category after each event, starting with the state before the first event."""
+        current = dict.fromkeys(CATEGORIES, 0)
+        for s in self.initial:
+            current[self.blocks[s].category] += self.blocks[s].size
+        series: dict[str, list[int]] = {c: [current[c]] for c in CATEGORIES}
+        for ev in self.events:
+            b = self.blocks[abs(ev)]
+            current[b.category] += b.size if ev > 0 else -b.size
+            for c in CATEGORIES:
+                series[c].append(current[c])
+        return series
+
+    def sites_at(self, index: int, top: int = 5) -> list[tuple[str, int]]:
+        """Bytes alive at ``index`` grouped by the innermost user frame that allocated them."""
+        by_site: dict[str, int] = {}
+        for serial in self.alive_at(index):
+            b = self.blocks[serial]
+            if not b.site:
+                continue
+            key = format_frame(b.site[0])
+            by_site[key] = by_site.get(key, 0) + b.size
+        return sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
+
+    def phases(self) -> dict[str, int]:
+        """Bytes allocated during the cell per phase (``forward``, ``backward``, ``optimizer``, ``cell``)."""
+        out: dict[str, int] = {}
+        for b in self.blocks.values():
+            if b.phase:
+                out[b.phase] = out.get(b.phase, 0) + b.size
+        return out
+
+    def largest_allocations(self, top: int = 3) -> list[tuple[int, Block]]:
+        """``[(event_index, block), ...]`` of the largest allocations made during the cell."""
+        allocs = [(i, self.blocks[ev]) for i, ev in enumerate(self.events) if ev > 0]
+        allocs.sort(key=lambda ib: -ib[1].size)
+        return allocs[:top]
+
+
+def format_frame(frame: Frame) -> str:
+    filename, line, name = frame
+    short = cell_name(filename)
+    where = f"{short}:{line}"
+    return where if name in ("<module>", "") else f"{where} in {name}"
+
+
+def cell_name(filename: str) -> str:
+    """``<ipython-input-3-abc>`` → ``cell 3``; a path → its base name."""
+    if filename.startswith("<ipython-input-"):
+        parts = filename[1:-1].split("-")
+        if len(parts) >= 3 and parts[2].isdigit():
+            return f"cell {parts[2]}"
+    return filename.rsplit("/", 1)[-1]
