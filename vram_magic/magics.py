@@ -98,10 +98,10 @@ class VramMagics(Magics):
                 self.shell.user_ns[args.output] = report
             if error is not None:
                 del error  # the traceback holds frames; do not keep it in this frame
+            if value is not None:  # the cell's own result, as without the magic
+                self.shell.displayhook(value)
+                value = None
             if not args.quiet:
-                if value is not None:
-                    self.shell.displayhook(value)
-                    value = None
                 self._show(report, timeline=args.timeline)
         return None
 

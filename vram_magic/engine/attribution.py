@@ -130,11 +130,13 @@ def scan_namespace(namespace: Mapping[str, Any] | None, registry: LiveStorages, 
     """Attribute every storage reachable from ``namespace`` (an IPython ``user_ns`` or a module's globals)."""
     walker = _Walker(registry)
     if namespace:
-        for name, value in list(namespace.items()):
+        items = list(namespace.items())
+        out = namespace.get("Out")
+        if isinstance(out, Mapping):  # first, so cached outputs get their `_N` names
+            for k, v in list(out.items()):
+                walker.visit(f"_{k}", v, depth, cache=True)
+        for name, value in items:
             if name in _IPYTHON_NAMES or _INPUT_CACHE.match(name) or name.startswith("__"):
-                if name in ("Out", "_oh") and isinstance(value, Mapping):
-                    for k, v in list(value.items()):
-                        walker.visit(f"_{k}", v, depth, cache=True)
                 continue
             if _OUTPUT_CACHE.match(name):
                 walker.visit(name, value, depth, cache=True)

@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def shell():
+    """A real IPython shell with the extension loaded; cleaned up (and unloaded) after the test."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance(colors="nocolor")
+    sh.run_cell("%load_ext vram_magic", store_history=True)
+    yield sh
+    sh.run_cell("%unload_ext vram_magic")
+    sh.reset(new_session=True)
+    InteractiveShell.clear_instance()
+    gc.collect()
+
+
+def run(sh, source: str):
+    """Run a cell like a notebook does; return the ExecutionResult."""
+    return sh.run_cell(source, store_history=True)
+
+
+def run_ok(sh, source: str):
+    result = run(sh, source)
+    if result.error_before_exec is not None:
+        raise result.error_before_exec
+    if result.error_in_exec is not None:
+        raise result.error_in_exec
+    return result
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,248 @@
+"""%%vram in a real InteractiveShell: a training loop split over cells, with bytes computed by hand."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from conftest import run, run_ok
+from IPython.core.error import UsageError
+
+from vram_magic import CATEGORIES, CellReport
+
+F32 = 4
+# Linear(1024, 4096) + Linear(4096, 10), float32: weights and biases
+PARAMS = (1024 * 4096 + 4096 + 4096 * 10 + 10) * F32  # 16,957,480
+BATCH = 64
+X = BATCH * 1024 * F32  # the input
+HIDDEN = BATCH * 4096 * F32  # one (64, 4096) activation: 1 MiB
+ADAM_STEPS = 4 * F32  # AdamW keeps one float32 `step` scalar per parameter tensor (4 tensors)
+
+BUILD = """%%vram -o r_build
+import torch
+model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 10))
+opt = torch.optim.AdamW(model.parameters())
+x = torch.randn(64, 1024)
+"""
+
+
+def _cells(sh) -> dict[str, CellReport]:
+    run_ok(sh, BUILD)
+    run_ok(sh, "%%vram -o r_fwd\nloss = model(x).sum()")
+    run_ok(sh, "%%vram -o r_bwd\nloss.backward()")
+    run_ok(sh, "%%vram -o r_step\nopt.step()")
+    run_ok(sh, "%%vram -o r_zero\nopt.zero_grad(set_to_none=True)\ndel loss")
+    run_ok(sh, "%%vram -o r_del\ndel model, opt, x")
+    return {k: sh.user_ns[f"r_{k}"] for k in ("build", "fwd", "bwd", "step", "zero", "del")}
+
+
+def test_training_loop_split_over_cells(shell):
+    r = _cells(shell)
+    # build: parameters by hand, the input in "other"
+    assert r["build"].before.total == 0
+    assert r["build"].after.as_dict() == {"parameters": PARAMS, "gradients": 0, "optimizer_state": 0,
+                                          "activations": 0, "other": X}
+    assert r["build"].after.details("other") == {"x": X}
+    # forward: the graph held by `loss` saved ReLU's output (addmm saves x, a named input, and the weights)
+    fwd = r["fwd"]
+    assert fwd.after.activations == HIDDEN
+    assert fwd.after.details("activations") == {"graph held by loss": HIDDEN}
+    assert fwd.after.other == X + F32  # x and the scalar loss
+    assert fwd.delta.as_dict() == {"parameters": 0, "gradients": 0, "optimizer_state": 0,
+                                   "activations": HIDDEN, "other": F32}
+    # at the forward's peak the first Linear's output and ReLU's output were both alive
+    assert fwd.peak.activations == 2 * HIDDEN
+    assert fwd.peak.total == fwd.before.total + 2 * HIDDEN
+    # backward: gradients equal the parameters, activations freed
+    bwd = r["bwd"]
+    assert bwd.after.gradients == PARAMS
+    assert bwd.after.activations == 0
+    assert bwd.delta.gradients == PARAMS and bwd.delta.activations == -HIDDEN
+    # AdamW's step: two states per parameter (exp_avg, exp_avg_sq) plus its step counters
+    step = r["step"]
+    assert step.after.optimizer_state == 2 * PARAMS + ADAM_STEPS
+    assert step.delta.optimizer_state == 2 * PARAMS + ADAM_STEPS
+    assert step.peak.total > step.after.total  # the update's temporaries
+    # zero_grad(set_to_none=True) and del loss
+    zero = r["zero"]
+    assert zero.after.gradients == 0
+    assert zero.delta.gradients == -PARAMS and zero.delta.other == -F32
+    # everything gone after del
+    assert r["del"].after.total == 0
+    assert r["del"].delta.as_dict() == {"parameters": -PARAMS, "gradients": 0,
+                                        "optimizer_state": -(2 * PARAMS + ADAM_STEPS),
+                                        "activations": 0, "other": -X}
+    # the five keys always add up to the total
+    for rep in r.values():
+        for b in (rep.before, rep.after, rep.peak, rep.delta):
+            assert sum(b[c] for c in CATEGORIES) == b.total
+            assert set(b) == set(CATEGORIES)
+
+
+def test_diff_is_against_previous_measured_cell(shell):
+    r = _cells(shell)
+    assert r["bwd"].previous == r["fwd"].cell
+    assert r["fwd"].delta.total == r["fwd"].after.total - r["build"].after.total
+    frame = shell.run_line_magic("vram", f"diff {r['fwd'].cell} {r['step'].cell}")
+    assert frame.loc["change", "optimizer_state"] == 2 * PARAMS + ADAM_STEPS
+    assert frame.loc["change", "gradients"] == PARAMS
+    assert frame.loc["change", "activations"] == -HIDDEN
+
+
+def test_history_table(shell):
+    r = _cells(shell)
+    frame = shell.run_line_magic("vram", "history")
+    assert list(frame["cell"]) == [rep.cell for rep in r.values()]
+    assert list(frame["parameters"]) == [PARAMS] * 5 + [0]
+    assert list(frame["gradients"]) == [0, 0, PARAMS, PARAMS, 0, 0]
+    assert list(frame["delta"]) == [rep.delta.total for rep in r.values()]
+    assert (frame["wall_time_s"] >= 0).all()
+
+
+def test_report_holds_no_tensor(shell):
+    run_ok(shell, BUILD)
+    run_ok(shell, "%%vram -o r2\nloss = model(x).sum()\nloss.backward()")
+    ref = weakref.ref(shell.user_ns["model"][0].weight)
+    run_ok(shell, "del model, opt, loss, x")
+    gc.collect()
+    assert ref() is None, "a parameter outlived `del model`: something holds a reference"
+    now = shell.run_line_magic("vram", "")
+    assert now.breakdown.total == 0
+
+
+def test_last_expression_is_displayed_and_cached(shell):
+    res = run_ok(shell, "%%vram -q\n6 * 7")
+    assert shell.user_ns["_"] == 42
+    assert res.result is None or res.result == 42
+
+
+def test_ipython_syntax_inside_the_cell(shell):
+    run_ok(shell, "%%vram -q -o r\nimport torch\nt = torch.zeros(256)\n%time u = torch.ones(128)\n")
+    assert shell.user_ns["r"].after.other == 256 * F32 + 128 * F32
+
+
+def test_exception_propagates_and_report_is_stored(shell):
+    result = run(shell, "%%vram -q -o r\nimport torch\nkeep = torch.zeros(1000)\nraise ValueError('boom')")
+    assert isinstance(result.error_in_exec, ValueError)
+    rep = shell.user_ns["r"]
+    assert rep.error == "ValueError: boom"
+    assert rep.after.other == 1000 * F32
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_keyboard_interrupt_keeps_report(shell):
+    result = run(shell, "%%vram -q -o r\nimport torch\nk = torch.zeros(10)\nraise KeyboardInterrupt")
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert shell.user_ns["r"].error.startswith("KeyboardInterrupt")
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_bad_input_is_a_usage_error(shell):
+    for line in ("%%vram --budget 12XB\n1", "%%vram --device tpu\n1", "%%vram --bogus\n1",
+                 "%%vram -o 1abc\n1", "%vram frobnicate", "%vram diff 1", "%vram auto maybe", "%vram diff 998 999"):
+        result = run(shell, line)
+        err = result.error_in_exec or result.error_before_exec
+        assert isinstance(err, UsageError), (line, err)
+    result = run(shell, "%%vram --device cuda:0\n1")
+    if not torch.cuda.is_available():
+        assert isinstance(result.error_in_exec, UsageError)
+        assert "CUDA is not available" in str(result.error_in_exec)
+
+
+def test_nested_vram_is_refused(shell):
+    result = run(shell, "%%vram -q\nget_ipython().run_cell_magic('vram', '-q', 'y = 1')")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "nested" in str(result.error_in_exec)
+    # the outer measurement was finished and the session works again
+    run_ok(shell, "%%vram -q -o r\nz = 2")
+    assert shell.user_ns["r"].after.total == 0
+
+
+def test_history_is_bounded(shell):
+    run_ok(shell, "%config VramMagics.history_size = 3")
+    for i in range(5):
+        run_ok(shell, f"%%vram -q\nv{i} = {i}")
+    assert len(shell.run_line_magic("vram", "history")) == 3
+
+
+def test_auto_mode_measures_every_cell(shell):
+    run_ok(shell, "import torch")
+    run_ok(shell, "%vram auto on")
+    run_ok(shell, "a = torch.zeros(1024)")
+    run_ok(shell, "b = torch.zeros(2048)")
+    run_ok(shell, "%vram auto off")
+    run_ok(shell, "c = torch.zeros(4096)")
+    frame = shell.run_line_magic("vram", "history")
+    assert list(frame["delta"]) == [1024 * F32, 2048 * F32]
+    assert shell.run_line_magic("vram", "history")["other"].iloc[-1] == 3072 * F32
+
+
+def test_unload_leaves_nothing_behind(shell):
+    import torch.nn.modules.module as mod
+    import torch.optim.optimizer as optmod
+
+    run_ok(shell, "%vram auto on")
+    run_ok(shell, "import torch\nm = torch.nn.Linear(4, 4)")
+    run_ok(shell, "%unload_ext vram_magic")
+    assert "vram" not in shell.magics_manager.magics["cell"]
+    assert "vram" not in shell.magics_manager.magics["line"]
+    assert not any("vram_magic" in repr(cb) for cb in shell.events.callbacks["pre_run_cell"])
+    assert not any("vram_magic" in repr(cb) for cb in shell.events.callbacks["post_run_cell"])
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert not mod._global_forward_hooks and not mod._global_forward_pre_hooks
+    assert not optmod._global_optimizer_pre_hooks and not optmod._global_optimizer_post_hooks
+    run_ok(shell, "%load_ext vram_magic")
+    run_ok(shell, "%%vram -q -o r\nn = torch.nn.Linear(4, 4)")
+    assert shell.user_ns["r"].after.parameters == 2 * (16 + 4) * F32
+    run_ok(shell, "%reload_ext vram_magic")
+    run_ok(shell, "%%vram -q -o r\nq = 1")
+    assert shell.user_ns["r"].after.parameters == 2 * (16 + 4) * F32
+
+
+def test_tied_weights_counted_once(shell):
+    run_ok(shell, """%%vram -q -o r
+import torch
+emb = torch.nn.Embedding(1000, 64)
+head = torch.nn.Linear(64, 1000, bias=False)
+head.weight = emb.weight
+model = torch.nn.ModuleDict({"emb": emb, "head": head})
+""")
+    assert shell.user_ns["r"].after.parameters == 1000 * 64 * F32
+
+
+def test_output_cache_is_reported(shell):
+    run_ok(shell, "import torch\nt = torch.zeros(300_000)")
+    run_ok(shell, "t * 2")  # the result lives on in Out and _
+    run_ok(shell, "del t")
+    now = shell.run_line_magic("vram", "")
+    cell = shell.execution_count - 2
+    assert now.breakdown.details("other") == {f"output cache _{cell}": 300_000 * F32}
+
+
+def test_widget_bundle_carries_view_and_text(shell):
+    from vram_magic.render.widget import report_bundle
+
+    run_ok(shell, BUILD)
+    bundle = report_bundle(shell.user_ns["r_build"], widget=True)
+    view = bundle["application/vnd.jupyter.widget-view+json"]
+    assert view["version_major"] == 2 and len(view["model_id"]) > 0
+    assert "parameters" in bundle["text/plain"] and "16.2 MiB" in bundle["text/plain"]
+    assert 'class="vram-seg vram-parameters"' in bundle["text/html"]
+
+
+def test_measure_api_without_ipython():
+    import vram_magic
+
+    def step():
+        lin = torch.nn.Linear(256, 256)
+        with vram_magic.measure() as m:
+            out = lin(torch.randn(32, 256)).relu().sum()
+            out.backward()
+        return m
+
+    m = step()
+    assert m.after.parameters == (256 * 256 + 256) * F32
+    assert m.after.gradients == (256 * 256 + 256) * F32
+    assert m.report.device == "cpu"
+    assert "parameters" in str(m)
