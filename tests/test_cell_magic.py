@@ -46,18 +46,19 @@ def test_training_loop_split_over_cells(shell):
     assert r["build"].after.details("other") == {"x": X}
     # forward: the graph held by `loss` saved ReLU's output (addmm saves x, a named input, and the weights)
     fwd = r["fwd"]
-    assert fwd.after.activations == HIDDEN
-    assert fwd.after.details("activations") == {"graph held by loss": HIDDEN}
-    assert fwd.after.other == X + F32  # x and the scalar loss
+    # and `loss` itself, a forward output, is an activation too (4 bytes); x stays an input ("other")
+    assert fwd.after.activations == HIDDEN + F32
+    assert fwd.after.details("activations") == {"graph held by loss": HIDDEN, "loss": F32}
+    assert fwd.after.other == X
     assert fwd.delta.as_dict() == {"parameters": 0, "gradients": 0, "optimizer_state": 0,
-                                   "activations": HIDDEN, "other": F32}
+                                   "activations": HIDDEN + F32, "other": 0}
     # at the forward's peak the first Linear's output and ReLU's output were both alive
     assert fwd.peak.activations == 2 * HIDDEN
     assert fwd.peak.total == fwd.before.total + 2 * HIDDEN
     # backward: gradients equal the parameters, activations freed
     bwd = r["bwd"]
     assert bwd.after.gradients == PARAMS
-    assert bwd.after.activations == 0
+    assert bwd.after.activations == F32  # only the loss scalar; its graph's saved tensors are freed
     assert bwd.delta.gradients == PARAMS and bwd.delta.activations == -HIDDEN
     # AdamW's step: two states per parameter (exp_avg, exp_avg_sq) plus its step counters
     step = r["step"]
@@ -67,7 +68,7 @@ def test_training_loop_split_over_cells(shell):
     # zero_grad(set_to_none=True) and del loss
     zero = r["zero"]
     assert zero.after.gradients == 0
-    assert zero.delta.gradients == -PARAMS and zero.delta.other == -F32
+    assert zero.delta.gradients == -PARAMS and zero.delta.activations == -F32
     # everything gone after del
     assert r["del"].after.total == 0
     assert r["del"].delta.as_dict() == {"parameters": -PARAMS, "gradients": 0,

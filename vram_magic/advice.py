@@ -32,6 +32,7 @@ def _leaks(report: CellReport) -> list[Advice]:
             fix = f"`del {name}` when done, or keep `{name}.item()` / `{name}.detach()` instead of the tensor"
             if not did_backward:
                 fix += "; for evaluation run the forward under `torch.no_grad()` or `torch.inference_mode()`"
+            n += after.details("activations").get(name, 0)  # `del` frees the variable's own tensor too
             out.append(Advice(f"`{name}` keeps an autograd graph alive", fix + ".", n, name, "graph"))
     for label, n in after.details("other").items():
         if label.startswith("output cache "):
@@ -87,6 +88,13 @@ def _pressure(report: CellReport) -> list[Advice]:
             "gradients are a large share",
             "ZeRO-2/FSDP shard gradients over GPUs; bf16 parameters halve them.",
             grads // 2, model, "gradients"))
+    if report.oom is not None:
+        for name, n in report.oom.holders[:2]:
+            out.append(Advice(
+                f"`{name}` held {format_bytes(n)} when memory ran out",
+                f"free it before the failing line (`del {name.split(' in ')[0]}`), keep it on the CPU, or make "
+                "it smaller; it was released with the failed cell, so the next run starts lower.",
+                n, name, "holder"))
     if report.oom is not None and report.oom.requested:
         free = (report.oom.capacity or 0) - report.oom.live.total
         out.append(Advice(

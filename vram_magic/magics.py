@@ -62,6 +62,7 @@ class VramMagics(Magics):
     @line_cell_magic
     def vram(self, line: str, cell: str | None = None) -> Any:
         """Measure a cell's memory (``%%vram``) or inspect the session (``%vram …``)."""
+        __tracebackhide__ = True  # noqa: F841
         if cell is None:
             return self._line(line)
         args = parse_argstring(self.vram, line)

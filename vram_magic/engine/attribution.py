@@ -113,7 +113,8 @@ class _Walker:
             for b in m.buffers():
                 self.claim(b, "other", f"buffers of {name}", name)
         for name, t in self.tensors:
-            self.claim(t, "other", name, name)
+            # a forward output (part of a graph) is an activation; a leaf (input, user data) is "other"
+            self.claim(t, "activations" if t.grad_fn is not None else "other", name, name)
         for name, t in self.cache_tensors:
             self.claim(t, "other", f"output cache {name}", name)
         for name, t in self.tensors + self.cache_tensors:

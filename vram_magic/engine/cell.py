@@ -6,7 +6,6 @@ import gc
 import os
 import sys
 import time
-import traceback
 from collections.abc import Mapping
 from dataclasses import replace
 from types import TracebackType
@@ -28,7 +27,8 @@ _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What an allocation freed before the cell ended counts as, by the phase it was made in.
 PHASE_CATEGORY = {
     FORWARD: ("activations", "forward intermediates"),
-    BACKWARD: ("other", "backward temporaries"),
+    # gradients of activations flowing through backward: they scale with the batch like activations do
+    BACKWARD: ("activations", "activation gradients (backward)"),
     OPTIMIZER: ("other", "optimizer temporaries"),
     CELL: ("other", "temporaries"),
 }
@@ -88,6 +88,9 @@ class Measurement:
         self._scan_before = scan_namespace(self.namespace, self.registry)
         self._before_rows = self._rows(self._scan_before, allocs={})
         self._before_owner = {e.serial: self._scan_before.category(k) for k, e in self.registry.entries(self.device)}
+        self._history = None
+        if self.device.startswith("cuda") and self.record_sites:
+            self._history = cuda.History(self.device).start()
         self._tracker = Tracker(self.registry, self.device, budget=self.budget, record_sites=self.record_sites)
         self._t0 = time.perf_counter()
         self._tracker.__enter__()
@@ -99,15 +102,18 @@ class Measurement:
         assert tracker is not None
         tracker.__exit__(exc_type, exc, tb)
         wall = time.perf_counter() - self._t0
+        self._history_peak = None
+        if self._history is not None:
+            self._history_peak = self._history.cell_peak(self._history.stop())
         oom_index = len(tracker.events)
         notes: list[str] = []
         is_oom = exc_type is not None and issubclass(exc_type, torch.OutOfMemoryError)
-        if is_oom and tb is not None:
-            release_traceback(tb)
-            gc.collect()
-        # Frees caused by the clean-up above still count as this cell's events.
+        # Frees caused by the clean-up below still count as this cell's events.
         self.registry.on_free = tracker._freed
         try:
+            if is_oom and tb is not None:
+                release_traceback(tb)
+                gc.collect()
             scan_after = scan_namespace(self.namespace, self.registry)
         finally:
             self.registry.on_free = None
@@ -186,12 +192,14 @@ class Measurement:
         extra = stats.allocated - after.total
         if extra > 0:
             after = _add_other(after, "allocator: workspaces and untracked", extra)
-        alloc_peak = cuda.cell_peak(self._stats_before, stats)
+        alloc_peak = self._history_peak
+        if alloc_peak is None:
+            alloc_peak = cuda.cell_peak(self._stats_before, stats)
         if alloc_peak is not None and alloc_peak > peak.total:
             peak = _add_other(peak, "allocator: kernel scratch and untracked", alloc_peak - peak.total)
         elif alloc_peak is None:
-            notes.append("the allocator's global peak did not rise during this cell; the cell's peak is the "
-                         "tracked one (your max_memory_allocated was left untouched)")
+            notes.append("without the allocator's history (--no-trace) and with the global peak not rising in "
+                         "this cell, the cell's peak is the tracked one; max_memory_allocated was left untouched")
         return after, peak
 
     def _oom_info(self, tracker: Tracker, trace: Trace, index: int, exc: BaseException | None) -> OomInfo:
@@ -224,14 +232,22 @@ def release_traceback(tb: TracebackType) -> None:
             last_user = t
         t = t.tb_next
     if last_user is not None and last_user.tb_next is not None:
-        rest = last_user.tb_next
+        rest: TracebackType | None = last_user.tb_next
         last_user.tb_next = None
-        traceback.clear_frames(rest)
+        while rest is not None:
+            try:
+                rest.tb_frame.clear()
+                rest.tb_frame.f_locals  # noqa: B018
+            except RuntimeError:
+                pass
+            rest = rest.tb_next
     t = tb
     while t is not None:
         if not t.tb_frame.f_code.co_filename.startswith(_OWN_DIR):
             try:
                 t.tb_frame.clear()
+                # A dict made earlier by reading `f_locals` outlives clear(); reading it again empties it.
+                t.tb_frame.f_locals  # noqa: B018
             except RuntimeError:  # still executing
                 pass
         t = t.tb_next

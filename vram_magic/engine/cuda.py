@@ -67,3 +67,41 @@ def cell_peak(before: DeviceStats | None, after: DeviceStats | None) -> int | No
     if after.peak_allocated > before.peak_allocated:
         return after.peak_allocated
     return None
+
+
+class History:
+    """The caching allocator's own history around one cell (Python-only stacks, capped entries).
+
+    If the user already records history, their setting is left alone and only read; otherwise recording is
+    switched on for the cell and off again after it.
+    """
+
+    def __init__(self, device: str, max_entries: int = 200_000) -> None:
+        self.device = device
+        self.index = int(device.split(":")[1])
+        self.max_entries = max_entries
+        self.ours = False
+        self.since = 0
+
+    def start(self) -> History:
+        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)()
+        if enabled:
+            snap = torch.cuda.memory._snapshot()
+            self.since = len(snap["device_traces"][self.index])
+        else:
+            torch.cuda.memory._record_memory_history(
+                enabled="all", context="alloc", stacks="python", max_entries=self.max_entries)
+            self.ours = True
+        return self
+
+    def stop(self) -> dict[str, Any]:
+        try:
+            return torch.cuda.memory._snapshot()
+        finally:
+            if self.ours:
+                torch.cuda.memory._record_memory_history(enabled=None)
+
+    def cell_peak(self, snapshot: dict[str, Any]) -> int:
+        from ..snapshot import replay
+
+        return replay(snapshot, self.index, self.since)[1]

@@ -151,18 +151,18 @@ class Tracker(TorchDispatchMode):
 
     def _name_locals(self, frame: Any) -> None:
         """Which local variables of the user's frames hold memory at an OOM (names and serials only)."""
-        from ..trace import cell_name
         from .frames import is_user_code
 
         while frame is not None:
             if is_user_code(frame.f_code):
-                where = frame.f_code.co_name
-                where = cell_name(frame.f_code.co_filename) if where == "<module>" else f"{where}()"
+                func = frame.f_code.co_name
                 for name, value in list(frame.f_locals.items()):
                     if isinstance(value, torch.Tensor) and value.layout == torch.strided:
                         entry = self.registry.get(id(value.untyped_storage()))
                         if entry is not None and entry.serial not in self.oom_holders:
-                            self.oom_holders[entry.serial] = f"{name} in {where}"
+                            # module-level code: the variable is a global, named as such
+                            label = name if func == "<module>" else f"{name} in {func}()"
+                            self.oom_holders[entry.serial] = label
             frame = frame.f_back
 
     def _late(self, storage: Any) -> None:

@@ -1,0 +1,112 @@
+"""Export a cell's history in PyTorch's memory-snapshot format, and replay such a snapshot.
+
+The pickle has ``segments`` (blocks alive at the end) and ``device_traces`` (``alloc`` / ``free_completed``
+entries with ``addr``, ``size``, ``frames`` and our ``category``), so PyTorch's memory viewer
+(``torch.cuda._memory_viz`` or its web page) opens CPU cells too. ``replay`` is the same event model read
+back: it is how a CUDA cell's peak is found from the allocator's own history without resetting counters.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .report import CellReport
+    from .trace import Block
+
+_SYNTHETIC_BASE = 0x7F00_0000_0000  # for storages without an address (fake tensors): far from real ones
+
+
+def device_index(device: str) -> int:
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
+def _frames(block: Block) -> list[dict[str, Any]]:
+    return [{"filename": f, "line": line, "name": name} for f, line, name in block.site]
+
+
+def to_snapshot(report: CellReport) -> dict[str, Any]:
+    trace = report.trace
+    if trace is None:
+        raise ValueError("this report has no allocation history (it was measured with --no-trace off?)")
+    index = device_index(report.device)
+    addrs: dict[int, int] = {}
+    used: set[int] = set()
+
+    def addr(block: Block) -> int:
+        a = addrs.get(block.serial)
+        if a is None:
+            a = block.addr if block.addr and block.addr not in used else _SYNTHETIC_BASE + block.serial * 512
+            addrs[block.serial] = a
+            used.add(a)
+        return a
+
+    for serial in trace.initial:
+        addr(trace.blocks[serial])
+    events = []
+    for ev in trace.events:
+        b = trace.blocks[abs(ev)]
+        a = addr(b)
+        entry = {"action": "alloc" if ev > 0 else "free_completed", "addr": a, "size": b.size, "stream": 0,
+                 "frames": _frames(b), "category": b.category, "label": b.label}
+        events.append(entry)
+        if ev < 0:
+            used.discard(a)
+            addrs.pop(b.serial, None)
+    if report.oom is not None:
+        events.append({"action": "oom", "addr": 0, "size": report.oom.requested or 0, "stream": 0,
+                       "frames": [{"filename": f, "line": n, "name": m} for f, n, m in report.oom.site],
+                       "device_free": max((report.oom.capacity or 0) - report.oom.live.total, 0)})
+    segments = []
+    for serial in sorted(trace.alive_at(len(trace.events))):
+        b = trace.blocks[serial]
+        a = addr(b)
+        block = {"address": a, "size": b.size, "requested_size": b.size, "state": "active_allocated",
+                 "frames": _frames(b)}
+        segments.append({"device": index, "address": a, "total_size": b.size, "allocated_size": b.size,
+                         "active_size": b.size, "requested_size": b.size, "stream": 0, "segment_type": "large",
+                         "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": [block]})
+    device_traces: list[list[dict[str, Any]]] = [[] for _ in range(index + 1)]
+    device_traces[index] = events
+    return {"segments": segments, "device_traces": device_traces, "allocator_settings": {},
+            "vram_magic": {"device": report.device, "cell": report.cell}}
+
+
+def save_snapshot(report: CellReport, path: str) -> str:
+    with open(path, "wb") as f:
+        pickle.dump(to_snapshot(report), f)
+    return path
+
+
+def replay(snapshot: Mapping[str, Any], device: int = 0, since: int = 0) -> tuple[int, int, int]:
+    """``(start, peak, peak_entry)``: bytes live before the trace, the highest, and the number of trace
+    entries applied at the peak. ``since`` skips the first entries (a CUDA cell's own part of a longer
+    history). Works for PyTorch's own snapshots and for ours."""
+    end = 0
+    for seg in snapshot.get("segments", ()):
+        if seg.get("device", 0) != device:
+            continue
+        for block in seg.get("blocks", ()):
+            if block.get("state") == "active_allocated":
+                end += block["size"]
+    traces = snapshot.get("device_traces", ())
+    entries = traces[device][since:] if device < len(traces) else []
+    delta = 0
+    for e in entries:
+        if e["action"] == "alloc":
+            delta += e["size"]
+        elif e["action"] == "free_completed":
+            delta -= e["size"]
+    start = end - delta
+    current = peak = start
+    peak_entry = 0
+    for i, e in enumerate(entries, 1):
+        if e["action"] == "alloc":
+            current += e["size"]
+            if current > peak:
+                peak, peak_entry = current, i
+        elif e["action"] == "free_completed":
+            current -= e["size"]
+    return start, peak, peak_entry
