@@ -1,0 +1,124 @@
+"""The model zoo the estimate benchmarks run: small enough for a 2-core CPU, varied enough to matter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 1000))
+
+
+class Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.skip = nn.Sequential() if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + self.skip(x))
+
+
+def convnet() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, 1, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+        Block(32, 32), Block(32, 64, 2), Block(64, 128, 2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 100),
+    )
+
+
+class UNet(nn.Module):
+    def __init__(self, c: int = 32) -> None:
+        super().__init__()
+
+        def double(cin: int, cout: int) -> nn.Module:
+            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU(),
+                                 nn.Conv2d(cout, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
+
+        self.d1, self.d2, self.d3 = double(3, c), double(c, 2 * c), double(2 * c, 4 * c)
+        self.up2 = nn.ConvTranspose2d(4 * c, 2 * c, 2, stride=2)
+        self.u2 = double(4 * c, 2 * c)
+        self.up1 = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+        self.u1 = double(2 * c, c)
+        self.out = nn.Conv2d(c, 2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.d1(x)
+        b = self.d2(F.max_pool2d(a, 2))
+        c = self.d3(F.max_pool2d(b, 2))
+        y = self.u2(torch.cat([self.up2(c), b], 1))
+        y = self.u1(torch.cat([self.up1(y), a], 1))
+        return self.out(y)
+
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab: int = 8000, d: int = 256, layers: int = 4, heads: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(1, 512, d))
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens) + self.pos[:, : tokens.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+class LSTMTagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(128, 256, num_layers=2, batch_first=True)
+        self.gru = nn.GRU(256, 128, batch_first=True)
+        self.out = nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.rnn(x)
+        y, _ = self.gru(y)
+        return self.out(y)
+
+
+class ViT(nn.Module):
+    def __init__(self, d: int = 192, layers: int = 4, heads: int = 3, patch: int = 16, image: int = 224) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, d, patch, patch)
+        n = (image // patch) ** 2
+        self.cls = nn.Parameter(torch.zeros(1, 1, d))
+        self.pos = nn.Parameter(torch.zeros(1, n + 1, d))
+        self.blocks = nn.ModuleList(
+            nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, activation="gelu", batch_first=True,
+                                       norm_first=True) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 100)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x[:, 0]))
+
+
+# name -> (builder, inputs maker)
+ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[[], object]]] = {
+    "MLP": (mlp, lambda: torch.randn(64, 1024)),
+    "ConvNet+BN": (convnet, lambda: torch.randn(16, 3, 64, 64)),
+    "U-Net": (UNet, lambda: torch.randn(4, 3, 64, 64)),
+    "Transformer (tied)": (TiedLM, lambda: torch.randint(0, 8000, (8, 128))),
+    "LSTM+GRU": (LSTMTagger, lambda: torch.randn(16, 64, 128)),
+    "ViT": (ViT, lambda: torch.randn(4, 3, 224, 224)),
+}

@@ -1,0 +1,223 @@
+"""From a traced step to an :class:`Estimate`: replay the allocations with the target device's sizes,
+find the peak, split it by category, and check it against the GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..report import Breakdown
+from ..units import parse_size
+from .cuda_model import CudaModel
+from .gpus import GPU, find_gpu
+from .options import Options
+from .result import Estimate
+from .run import Request, StepTrace, trace_step
+from .sharding import sharding_for
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the step should run: a catalogued GPU or a budget, and the CUDA model's constants."""
+
+    gpu: GPU | None = None
+    budget: int | None = None
+    cuda: CudaModel = CudaModel()
+
+    @property
+    def capacity(self) -> int | None:
+        if self.budget is not None:
+            return self.budget
+        return self.gpu.memory if self.gpu is not None else None
+
+
+def make_target(gpu: Any = None, budget: Any = None, cuda: CudaModel | None = None) -> Target:
+    g = gpu if isinstance(gpu, GPU) or gpu is None else find_gpu(gpu)
+    b = parse_size(budget) if budget is not None else None
+    if cuda is not None and not isinstance(cuda, CudaModel):
+        raise TypeError(f"cuda must be a CudaModel (vram_magic.estimate.CudaModel(context=...)), not "
+                        f"{type(cuda).__name__}")
+    return Target(g, b, cuda or CudaModel())
+
+
+def replay(trace: StepTrace, sizes: dict[int, int], spikes: dict[int, int]) -> tuple[int, int, int]:
+    """``(peak index, peak bytes, scratch bytes in that peak)``; index = number of events applied."""
+    current = sum(sizes[s] for s in trace.initial)
+    best, best_index, best_spike = current, 0, 0
+    for i, ev in enumerate(trace.events):
+        if ev > 0:
+            current += sizes[ev]
+        else:
+            current -= sizes[-ev]
+        spike = spikes.get(i + 1, 0)
+        if current + spike > best:
+            best, best_index, best_spike = current + spike, i + 1, spike
+    return best_index, best, best_spike
+
+
+def alive_at(trace: StepTrace, index: int) -> set[int]:
+    alive = set(trace.initial)
+    for ev in trace.events[:index]:
+        if ev > 0:
+            alive.add(ev)
+        else:
+            alive.discard(-ev)
+    return alive
+
+
+def rows_at(trace: StepTrace, sizes: dict[int, int], index: int) -> dict[tuple[str, str], int]:
+    rows: dict[tuple[str, str], int] = {}
+    for s in alive_at(trace, index):
+        key = trace.owner.get(s, ("other", "temporaries"))
+        rows[key] = rows.get(key, 0) + sizes[s]
+    return rows
+
+
+def evaluate(request: Request, opts: Options, target: Target, *, model_name: str = "") -> Estimate:
+    trace = trace_step(request, opts)
+    return from_trace(trace, opts, target, model_name=model_name or request.source.name)
+
+
+def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: str = "") -> Estimate:
+    cuda = opts.device == "cuda"
+    cm = target.cuda
+    sizes = dict(trace.sizes)
+    modelled: dict[str, int] = {}
+    notes: list[str] = []
+    if cuda:
+        for s, n in sizes.items():
+            sizes[s] = cm.round(n)
+        if not trace.fused:
+            for s in trace.host_scalars:  # Adam's `step` counters live on the host unless fused/capturable
+                sizes[s] = 0
+    sharding = sharding_for(opts.zero, opts.world, trace.unit_param_bytes, trace.param_bytes)
+    if sharding is not None or opts.offload:
+        for s, (cat, label) in trace.owner.items():
+            if opts.offload and (cat == "optimizer_state" or label == "optimizer temporaries"):
+                sizes[s] = 0
+            elif sharding is not None and sharding.divides(cat, label):
+                sizes[s] = -(-sizes[s] // sharding.world)
+    spikes: dict[int, int] = {}
+    spike_label = ""
+    if cuda:
+        if trace.convs and cm.cudnn_workspace:
+            spikes = {i: cm.cudnn_workspace for i, _, _ in trace.convs}
+            spike_label = "cuDNN workspace (modelled)"
+    elif trace.convs:
+        from .scratch import conv_scratch
+
+        spikes = conv_scratch(trace.convs)
+        spike_label = "kernel scratch (oneDNN convolutions measured per layer, GEMM operand copies)"
+    if not cuda:
+        for i, n in trace.copies:
+            spikes[i] = spikes.get(i, 0) + n
+        if trace.copies and not spike_label:
+            spike_label = "kernel scratch (GEMM operand copies)"
+    index, _, spike = replay(trace, sizes, spikes)
+    rows = rows_at(trace, sizes, index)
+    if spike:
+        rows[("other", spike_label)] = spike
+        modelled[spike_label] = spike
+    if cuda and trace.uses_matmul:
+        hopper = bool(target.gpu and target.gpu.hopper)
+        handles = 1 if opts.inference else 2
+        ws = cm.workspace(hopper) * handles
+        rows[("other", "cuBLAS workspaces (modelled)")] = ws
+        modelled["cuBLAS workspaces"] = ws
+    if sharding is not None:
+        for label, n in sharding.buffers(not opts.inference).items():
+            if n:
+                rows[("other", f"{label} (modelled)")] = n
+                modelled[label] = n
+    peak = Breakdown.from_rows(rows)
+    fwd_index = trace.marks.get("forward_end", len(trace.events))
+    after_forward = Breakdown.from_rows(rows_at(trace, sizes, fwd_index))
+    top: dict[str, int] = {}
+    for s in alive_at(trace, fwd_index):
+        if trace.owner.get(s, ("",))[0] == "activations":
+            name = trace.module.get(s) or "(outside modules)"
+            top[name] = top.get(name, 0) + sizes[s]
+    top_modules = tuple(sorted(top.items(), key=lambda kv: -kv[1])[:8])
+    reserved = cm.reserved(peak.total) if cuda else peak.total
+    context = cm.context if cuda else 0
+    needed = reserved + context
+    capacity = target.capacity
+    fits = None if capacity is None else needed <= capacity
+    if trace.problem:
+        notes.append(trace.problem)
+    if cuda:
+        notes.append("CUDA is modelled: tensors are traced on fake CPU tensors with the optimizer CUDA would use; "
+                     "block rounding, workspaces, allocator margin and context are modelled constants")
+    return Estimate(
+        model=model_name,
+        description=opts.describe(),
+        device=opts.device,
+        peak=peak,
+        after_forward=after_forward,
+        top_modules=top_modules,
+        flops=dict(trace.flops),
+        batch=trace.batch,
+        seq=trace.seq,
+        micro_batch=trace.micro_batch,
+        parameters=trace.param_count,
+        gpu=target.gpu.name if target.gpu is not None else None,
+        capacity=capacity,
+        reserved=reserved,
+        context=context,
+        needed=needed,
+        fits=fits,
+        partial=trace.problem is not None,
+        problem=trace.problem,
+        modelled=tuple(modelled.items()),
+        notes=tuple(notes),
+        wall_time=trace.wall,
+        options=opts,
+    )
+
+
+def search_max(fits: Callable[[int], bool], start: int, limit: int = 1 << 20,
+               progress: Callable[[str], None] | None = None) -> tuple[int, int]:
+    """Largest ``n`` with ``fits(n)``: doubling from ``start``, then bisection. ``(n, trials)``; 0 if even
+    1 does not fit."""
+    trials = 0
+
+    def test(n: int) -> bool:
+        nonlocal trials
+        trials += 1
+        ok = fits(n)
+        if progress is not None:
+            progress(f"{n}: {'fits' if ok else 'does not fit'}")
+        return ok
+
+    lo, hi = 0, None
+    n = max(start, 1)
+    if test(n):
+        lo = n
+        while n < limit:
+            n = min(n * 2, limit)
+            if test(n):
+                lo = n
+            else:
+                hi = n
+                break
+        if hi is None:
+            return lo, trials
+    else:
+        hi = n
+        n = n // 2
+        while n >= 1:
+            if test(n):
+                lo = n
+                break
+            hi = n
+            n //= 2
+        if lo == 0:
+            return 0, trials
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if test(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, trials

@@ -1,0 +1,209 @@
+"""The user's model and inputs as fake tensors: shapes and dtypes only, no memory, never the real weights.
+
+A real ``nn.Module`` is deep-copied with every parameter and buffer swapped for a fake CPU tensor first
+(so tied weights stay tied, the copy never holds real memory, and an already fake or meta model works
+too); a zero-argument builder is called under the fake mode with the default dtype set. Fake tensors are
+always on the CPU: autograd on fake CUDA tensors aborts a CPU-only process, so CUDA is modelled instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What an input tensor is, without its data."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool = False
+    channels_last: bool = False
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSpec:
+        cl = t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+        return cls(tuple(int(s) for s in t.shape), t.dtype, bool(t.requires_grad), cl)
+
+    def make(self, dtype: torch.dtype | None) -> torch.Tensor:
+        """A fake tensor (call under the fake mode); floating inputs take ``dtype`` when one is set."""
+        dt = dtype if dtype is not None and self.dtype.is_floating_point else self.dtype
+        t = torch.empty(self.shape, dtype=dt)
+        if self.channels_last:
+            t = t.contiguous(memory_format=torch.channels_last)
+        if self.requires_grad and dt.is_floating_point:
+            t.requires_grad_(True)
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def to_specs(value: Any) -> Any:
+    """Replace every tensor in a tensor/tuple/list/dict structure by its :class:`TensorSpec`."""
+    if isinstance(value, torch.Tensor):
+        return TensorSpec.of(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_specs(v) for v in value) if type(value) in (tuple, list) else tuple(
+            to_specs(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: to_specs(v) for k, v in value.items()}
+    return value
+
+
+def from_specs(value: Any, dtype: torch.dtype | None) -> Any:
+    if isinstance(value, TensorSpec):
+        return value.make(dtype)
+    if isinstance(value, (tuple, list)):
+        return type(value)(from_specs(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: from_specs(v, dtype) for k, v in value.items()}
+    return value
+
+
+def specs_in(value: Any) -> list[TensorSpec]:
+    if isinstance(value, TensorSpec):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [s for v in value for s in specs_in(v)]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in specs_in(v)]
+    return []
+
+
+def resize(value: Any, dim: int, old: int, new: int) -> Any:
+    """Change dimension ``dim`` from ``old`` to ``new`` in every spec whose dimension ``dim`` is ``old``."""
+    if isinstance(value, TensorSpec):
+        if len(value.shape) > dim and value.shape[dim] == old:
+            shape = list(value.shape)
+            shape[dim] = new
+            return TensorSpec(tuple(shape), value.dtype, value.requires_grad, value.channels_last)
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(resize(v, dim, old, new) for v in value)
+    if isinstance(value, dict):
+        return {k: resize(v, dim, old, new) for k, v in value.items()}
+    return value
+
+
+def size_of(value: Any, dim: int) -> int | None:
+    """Dimension ``dim`` of the first input tensor that has one (the batch for 0, the sequence for 1)."""
+    for s in specs_in(value):
+        if len(s.shape) > dim:
+            return s.shape[dim]
+    return None
+
+
+def check_inputs(inputs: Any) -> None:
+    if callable(inputs) and not isinstance(inputs, torch.Tensor):
+        return
+    specs = specs_in(to_specs(inputs)) if _is_structure(inputs) else []
+    if not specs:
+        raise TypeError("inputs must be a tensor, a tuple/list or dict of tensors, or a zero-argument callable "
+                        f"returning them; got {type(inputs).__name__}")
+
+
+def _is_structure(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, tuple, list, Mapping))
+
+
+class ModelSource:
+    """Where the model comes from: a weak reference to a real module, or a builder (held strongly)."""
+
+    def __init__(self, model: Any) -> None:
+        if isinstance(model, nn.Module):
+            self._ref: Callable[[], Any] | None = weakref.ref(model)
+            self.builder: Callable[[], Any] | None = None
+            self.name = type(model).__name__
+        elif callable(model):
+            try:
+                sig = inspect.signature(model)
+                required = [p for p in sig.parameters.values()
+                            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            except (TypeError, ValueError):
+                required = []
+            if required:
+                raise TypeError(f"model builder {getattr(model, '__name__', model)!r} must take no arguments "
+                                f"(it needs {', '.join(p.name for p in required)}); wrap it, e.g. "
+                                "lambda: build(config)")
+            self._ref = None
+            self.builder = model
+            self.name = getattr(model, "__name__", type(model).__name__)
+        else:
+            raise TypeError(f"model must be an nn.Module or a zero-argument callable that builds one, not "
+                            f"{type(model).__name__}")
+
+    def module(self) -> nn.Module | None:
+        return self._ref() if self._ref is not None else None
+
+    def fake(self, mode: FakeTensorMode, dtype: torch.dtype | None) -> nn.Module:
+        """A fake copy (or fake build) of the model, with floating weights in ``dtype`` when given."""
+        if self.builder is not None:
+            old = torch.get_default_dtype()
+            with mode:
+                if dtype is not None:
+                    torch.set_default_dtype(dtype)
+                try:
+                    built = self.builder()
+                finally:
+                    torch.set_default_dtype(old)
+            if not isinstance(built, nn.Module):
+                raise TypeError(f"the model builder returned {type(built).__name__}, not an nn.Module")
+            _normalise(built, mode, dtype)
+            return built
+        model = self.module()
+        if model is None:
+            raise ValueError("the model this estimate was made for no longer exists; estimate again")
+        memo: dict[int, Any] = {}
+        with mode:
+            for t in list(model.parameters()) + list(model.buffers()):
+                if id(t) not in memo:
+                    memo[id(t)] = _fake_like(t, dtype)
+        with FakeCopyMode(mode):
+            fake = copy.deepcopy(model, memo)
+        _normalise(fake, mode, dtype)
+        return fake
+
+
+def _fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    new = torch.empty(tuple(t.shape), dtype=dt)
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(new, requires_grad=t.requires_grad)
+    return new
+
+
+def _normalise(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None) -> None:
+    """Our own fake model only: every parameter and buffer a fake CPU tensor in the asked dtype."""
+    memo: dict[int, Any] = {}
+    with mode:
+        for m in model.modules():
+            for table in (m._parameters, m._buffers):
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    wrong_dtype = dtype is not None and t.is_floating_point() and t.dtype != dtype
+                    if t.device.type == "cpu" and not wrong_dtype and _is_fake(t, mode):
+                        continue
+                    if id(t) not in memo:
+                        memo[id(t)] = _fake_like(t, dtype)
+                    table[name] = memo[id(t)]
+
+
+def _is_fake(t: torch.Tensor, mode: FakeTensorMode) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor) and t.fake_mode is mode

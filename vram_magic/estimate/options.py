@@ -1,0 +1,132 @@
+"""What a user may ask of an estimate, checked once, with messages that say what is accepted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+}
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adagrad", "rmsprop", "adafactor")
+SHARDING = (None, 1, 2, 3)
+
+
+def parse_dtype(value: Any, what: str = "dtype") -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype) and value in DTYPES.values():
+        return value
+    if isinstance(value, str) and value.lower() in DTYPES:
+        return DTYPES[value.lower()]
+    raise ValueError(f"{what} must be one of bf16, fp16, fp32 (or a torch floating dtype), not {value!r}")
+
+
+def short_dtype(dtype: torch.dtype | None) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Options:
+    """One configuration of a step. ``optimizer`` is a name, an optimizer class or an optimizer object."""
+
+    optimizer: Any = "adamw"
+    inference: bool = False
+    dtype: torch.dtype | None = None
+    amp: torch.dtype | None = None
+    checkpointing: bool = False
+    accumulate: int = 1
+    zero: int | None = None  # ZeRO stage 1, 2 or 3 (3 is what FSDP's full sharding does)
+    world: int = 1
+    offload: bool = False
+    device: str = "cuda"
+    steps: int = 2
+    batch: int | None = None  # resize the inputs' batch dimension (what-ifs and max-batch search)
+    seq: int | None = None  # resize dimension 1 of the inputs (sequence length)
+
+    def with_(self, **changes: Any) -> Options:
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        parts = [f"{'inference' if self.inference else 'training'}"]
+        if not self.inference:
+            parts.append(optimizer_name(self.optimizer))
+        if self.dtype is not None:
+            parts.append(short_dtype(self.dtype))
+        if self.amp is not None:
+            parts.append(f"AMP {short_dtype(self.amp)}")
+        if self.checkpointing:
+            parts.append("checkpointing")
+        if self.accumulate > 1:
+            parts.append(f"accumulate {self.accumulate}")
+        if self.zero:
+            parts.append(f"ZeRO-{self.zero} × {self.world}")
+        if self.offload:
+            parts.append("optimizer offload")
+        return ", ".join(parts)
+
+
+def optimizer_name(opt: Any) -> str:
+    if isinstance(opt, str):
+        return opt
+    if isinstance(opt, type):
+        return opt.__name__
+    return type(opt).__name__
+
+
+def make_options(
+    *,
+    optimizer: Any = "adamw",
+    inference: bool = False,
+    dtype: Any = None,
+    amp: Any = None,
+    checkpointing: bool = False,
+    accumulate: int = 1,
+    zero: Any = None,
+    fsdp: bool = False,
+    world: int = 1,
+    offload: bool = False,
+    device: str = "cuda",
+    steps: int = 2,
+) -> Options:
+    """Check every option; raise ``ValueError``/``TypeError`` naming what is accepted."""
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}, "
+                             "or pass a torch.optim.Optimizer class or object")
+        optimizer = optimizer.lower()
+    elif isinstance(optimizer, type):
+        if not issubclass(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer class {optimizer.__name__} is not a torch.optim.Optimizer")
+    elif not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a name ({', '.join(OPTIMIZERS)}), a torch.optim.Optimizer class or "
+                        f"object, not {type(optimizer).__name__}")
+    dt = parse_dtype(dtype)
+    am = parse_dtype(amp, "amp")
+    if am is torch.float32:
+        raise ValueError("amp must be bf16 or fp16 (the lower precision autocast runs in)")
+    for name, value in (("accumulate", accumulate), ("world", world), ("steps", steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number ≥ 1, not {value!r}")
+    if fsdp:
+        if zero not in (None, 3):
+            raise ValueError("fsdp shards like ZeRO-3; give either fsdp=True or zero=1|2|3, not both")
+        zero = 3
+    if zero is not None:
+        if isinstance(zero, str) and zero.isdigit():
+            zero = int(zero)
+        if zero not in (1, 2, 3):
+            raise ValueError(f"zero must be 1, 2 or 3 (the ZeRO stage), not {zero!r}")
+    if zero is not None and world < 2:
+        raise ValueError("sharding needs world ≥ 2 (the number of ranks), e.g. zero=3, world=8")
+    if device not in ("cuda", "cpu") and not (isinstance(device, str) and device.startswith("cuda:")):
+        raise ValueError(f"device must be 'cuda' (model a GPU) or 'cpu' (model a CPU run), not {device!r}")
+    if inference and (accumulate > 1 or zero is not None or offload):
+        raise ValueError("accumulate, zero/fsdp and offload apply to training; drop them with inference=True")
+    return Options(
+        optimizer=optimizer, inference=bool(inference), dtype=dt, amp=am, checkpointing=bool(checkpointing),
+        accumulate=accumulate, zero=zero, world=world, offload=bool(offload),
+        device="cuda" if str(device).startswith("cuda") else "cpu", steps=steps,
+    )

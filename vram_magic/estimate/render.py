@@ -1,0 +1,116 @@
+"""Text and HTML of an estimate: pure functions of the result."""
+
+from __future__ import annotations
+
+import html
+
+from ..render.html import bars_html, legend_html
+from ..render.text import bar, table
+from ..units import format_bytes
+from .result import Estimate, Strategy
+
+
+def _title(est: Estimate) -> str:
+    shape = f" · batch {est.batch}" if est.batch is not None else ""
+    if est.micro_batch is not None and est.micro_batch != est.batch:
+        shape += f" (micro-batch {est.micro_batch})"
+    return (f"%vram_estimate {est.model} · {est.description} · {est.device}{shape} · "
+            f"{est.parameters / 1e6:,.1f} M parameters")
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def _traced_line(est: Estimate) -> str:
+    modelled = ", ".join(f"{label} {format_bytes(n)}" for label, n in est.modelled)
+    line = f"traced {format_bytes(est.traced)} (every tensor of the step on fake tensors)"
+    if modelled:
+        line += f"; modelled {modelled}"
+    if est.device == "cuda":
+        line += (f"; reserved ≈ peak × {est.reserved / max(est.peak.total, 1):.2f} = {format_bytes(est.reserved)}, "
+                 f"+ CUDA context {format_bytes(est.context)} (modelled)")
+    return line
+
+
+def estimate_text(est: Estimate) -> str:
+    lines = [_title(est)]
+    if est.partial:
+        lines.append(f"  PARTIAL: {est.problem}")
+    scale = max(est.capacity or 0, est.peak.total, 1)
+    lines.append(table([("peak", est.peak), ("after fwd", est.after_forward)]))
+    lines.append(f"  peak   |{bar(est.peak, scale)}| {format_bytes(est.peak.total)}")
+    lines.append("  P parameters  G gradients  O optimizer state  A activations  . other")
+    lines.append("  " + est.verdict())
+    lines.append("  " + _traced_line(est))
+    if est.top_modules:
+        lines.append("  largest activations after the forward: " + ", ".join(
+            f"{name} {format_bytes(n)}" for name, n in est.top_modules[:5]))
+    if est.flops:
+        fwd, bwd = _flops(est.flops["forward"]), _flops(est.flops["backward"])
+        lines.append(f"  compute per optimizer step: {_flops(est.total_flops)} (forward {fwd}, backward {bwd})")
+    if est.max_batch is not None:
+        lines.append(f"  largest batch that fits: {est.max_batch}")
+    if est.strategies:
+        lines.append(strategies_text(est.strategies))
+    for note in est.notes:
+        if note != est.problem:
+            lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def strategies_text(rows: tuple[Strategy, ...]) -> str:
+    out = ["  what if                                     peak     needed     saving  compute  fits"]
+    for r in rows:
+        fits = "" if r.fits is None else ("yes" if r.fits else "no")
+        out.append(f"  {r.name[:38]:<38}{format_bytes(r.peak):>11}{format_bytes(r.needed):>11}"
+                   f"{format_bytes(r.saving, signed=True):>11}   ×{r.compute:<5.2f} {fits}")
+    return "\n".join(out)
+
+
+def estimate_html(est: Estimate) -> str:
+    scale = max(est.capacity or 0, est.peak.total, est.needed, 1)
+    color = "#2e7d32" if est.fits else ("#b22222" if est.fits is False else "#333")
+    parts = [
+        '<div class="vram-estimate" style="font-family:sans-serif;max-width:56em">',
+        f'<div style="font-weight:bold">{html.escape(_title(est))}</div>',
+    ]
+    if est.partial:
+        parts.append(f'<div style="color:#b22222">PARTIAL: {html.escape(est.problem or "")}</div>')
+    parts.append(bars_html([("peak", est.peak), ("after fwd", est.after_forward)], scale, est.capacity))
+    parts.append(legend_html(est.peak))
+    parts.append(f'<div style="color:{color};font-weight:bold">{html.escape(est.verdict())}</div>')
+    parts.append(f'<div style="font-size:85%;color:#555">{html.escape(_traced_line(est))}</div>')
+    if est.top_modules:
+        parts.append('<div style="font-size:85%">largest activations after the forward: ' + ", ".join(
+            f"<code>{html.escape(n)}</code> {format_bytes(b)}" for n, b in est.top_modules[:5]) + "</div>")
+    if est.flops:
+        parts.append(f'<div style="font-size:85%">compute per optimizer step: {_flops(est.total_flops)}</div>')
+    if est.max_batch is not None:
+        parts.append(f"<div><b>largest batch that fits: {est.max_batch}</b></div>")
+    if est.strategies:
+        parts.append(strategies_html(est.strategies))
+    for note in est.notes:
+        if note != est.problem:
+            parts.append(f'<div style="font-size:85%;color:#666">note: {html.escape(note)}</div>')
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def strategies_html(rows: tuple[Strategy, ...]) -> str:
+    head = "".join(f'<th style="padding:0 .6em">{h}</th>' for h in
+                   ("what if", "peak", "needed", "saving", "compute", "steps", "fits", ""))
+    body = []
+    for r in rows:
+        fits = "" if r.fits is None else ("✔" if r.fits else "✘")
+        body.append(
+            f"<tr><td>{html.escape(r.name)}</td><td style='text-align:right'>{format_bytes(r.peak)}</td>"
+            f"<td style='text-align:right'>{format_bytes(r.needed)}</td>"
+            f"<td style='text-align:right'>{format_bytes(r.saving, signed=True)}</td>"
+            f"<td style='text-align:right'>×{r.compute:.2f}</td><td style='text-align:right'>×{r.steps:g}</td>"
+            f"<td>{fits}</td><td style='font-size:85%;color:#555'>{html.escape(r.note)}</td></tr>")
+    return (f'<table class="vram-what-if" style="font-size:85%;border-collapse:collapse"><tr>{head}</tr>'
+            f'{"".join(body)}</table>')

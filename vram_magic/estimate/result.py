@@ -1,0 +1,138 @@
+"""The result of an estimate: frozen, plain numbers in bytes, rendering itself (text and HTML)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..report import CATEGORIES, Breakdown
+from ..units import format_bytes
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from .options import Options
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One row of the what-if table."""
+
+    name: str
+    peak: int
+    needed: int
+    saving: int
+    compute: float  # FLOPs per sample relative to the baseline
+    steps: float  # sequential steps per optimizer update relative to the baseline
+    fits: bool | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a step needs. ``peak`` splits the steady-state peak into the same categories as ``%%vram``.
+
+    ``needed`` is what the device must have: on CUDA the allocator's reserved memory at the peak plus the
+    CUDA context; on the CPU the peak itself. ``fits`` compares it with ``capacity`` (a GPU's memory or a
+    budget), ``None`` when neither was given.
+    """
+
+    model: str
+    description: str
+    device: str
+    peak: Breakdown
+    after_forward: Breakdown
+    top_modules: tuple[tuple[str, int], ...] = ()
+    flops: Mapping[str, int] = field(default_factory=dict)
+    batch: int | None = None
+    seq: int | None = None
+    micro_batch: int | None = None
+    parameters: int = 0
+    gpu: str | None = None
+    capacity: int | None = None
+    reserved: int = 0
+    context: int = 0
+    needed: int = 0
+    fits: bool | None = None
+    partial: bool = False
+    problem: str | None = None
+    modelled: tuple[tuple[str, int], ...] = ()
+    notes: tuple[str, ...] = ()
+    wall_time: float = 0.0
+    strategies: tuple[Strategy, ...] = ()
+    max_batch: int | None = None
+    options: Options | None = field(default=None, repr=False, compare=False)
+    rerun: Any = field(default=None, repr=False, compare=False)  # (request, target) for what-ifs
+
+    @property
+    def total(self) -> int:
+        return self.peak.total
+
+    @property
+    def headroom(self) -> int | None:
+        return None if self.capacity is None else self.capacity - self.needed
+
+    @property
+    def total_flops(self) -> int:
+        return sum(self.flops.values())
+
+    @property
+    def traced(self) -> int:
+        """Bytes of the peak that come from traced tensors (the rest is modelled)."""
+        return self.peak.total - sum(n for _, n in self.modelled)
+
+    # --- follow-ups ----------------------------------------------------------------------------------
+    def what_if(self, **kwargs: Any) -> pd.DataFrame:
+        """The what-if table as a DataFrame (computed now if the estimate was made without it)."""
+        from .strategies import strategies_frame, what_if
+
+        rows = self.strategies or tuple(what_if(self, **kwargs))
+        return strategies_frame(rows)
+
+    def compare(self, report: Any) -> pd.DataFrame:
+        """Estimate and measurement side by side per category: ``report`` is a ``%%vram`` report (or a
+        ``vram_magic.measure()`` result); its ``peak`` is compared with this estimate's ``peak``."""
+        import pandas as pd
+
+        measured = getattr(report, "peak", None)
+        if not isinstance(measured, Mapping):
+            raise TypeError("compare() needs a %%vram report or a vram_magic.measure() result (something with a "
+                            f"peak breakdown), not {type(report).__name__}")
+        rows = []
+        for c in list(CATEGORIES) + ["total"]:
+            est = self.peak.total if c == "total" else self.peak[c]
+            got = measured.total if c == "total" else measured[c]  # type: ignore[attr-defined]
+            err = est - got
+            rows.append({"category": c, "estimate": est, "measured": got, "error": err,
+                         "error %": (100.0 * err / got) if got else float("nan")})
+        return pd.DataFrame(rows).set_index("category")
+
+    # --- rendering -----------------------------------------------------------------------------------
+    def __str__(self) -> str:
+        from .render import estimate_text
+
+        return estimate_text(self)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        from .render import estimate_html
+
+        return {"text/plain": str(self), "text/html": estimate_html(self)}
+
+    def verdict(self) -> str:
+        where = self.gpu or (format_bytes(self.capacity) if self.capacity else None)
+        if self.capacity is None or where is None:
+            return f"needs {format_bytes(self.needed)}" + (" on the device" if self.device == "cuda" else "")
+        room = self.capacity - self.needed
+        if room >= 0:
+            return (f"fits {where}: needs {format_bytes(self.needed)} of {format_bytes(self.capacity)}, "
+                    f"headroom {format_bytes(room)} ({100 * room / self.capacity:.0f} %)")
+        return (f"does NOT fit {where}: needs {format_bytes(self.needed)} of {format_bytes(self.capacity)}, "
+                f"{format_bytes(-room)} short")
+
+
+def breakdown_bytes(b: Breakdown) -> dict[str, int]:
+    return {c: b[c] for c in CATEGORIES}

@@ -1,0 +1,345 @@
+"""The fake run: two steps (forward, loss, backward, optimizer step, ``zero_grad``) of the user's model on
+fake CPU tensors under the live-storage tracker. Optimizer state appears in the first step; the
+steady-state peak is in the second. What comes out is plain data: every storage's size and owner, and the
+order of allocations and frees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from array import array
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ..engine.registry import LiveStorages
+from .fake import ModelSource, from_specs, resize, size_of, to_specs
+from .optimizers import is_fused, make_optimizer
+from .options import Options
+from .tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
+
+
+class EstimateError(RuntimeError):
+    """The model could not run on fake tensors for a reason in the model or its inputs (not a fake-tensor
+    limitation): a shape mismatch, a missing argument, an exception in user code."""
+
+
+@dataclass
+class StepTrace:
+    """Plain numbers from one fake run (no tensors)."""
+
+    sizes: dict[int, int]
+    owner: dict[int, tuple[str, str]]
+    module: dict[int, str]
+    events: array
+    initial: tuple[int, ...]
+    marks: dict[str, int]
+    flops: dict[str, int]
+    convs: list[tuple[int, Any, Any]]
+    copies: list[tuple[int, int]]
+    host_scalars: set[int]
+    problem: str | None = None
+    fused: bool = False
+    uses_matmul: bool = False
+    batch: int | None = None
+    seq: int | None = None
+    micro_batch: int | None = None
+    param_count: int = 0
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    state_bytes: int = 0
+    unit_param_bytes: list[int] = field(default_factory=list)  # per checkpoint/sharding unit (largest blocks)
+    wall: float = 0.0
+
+
+class Request:
+    """What to estimate: the model's source, the inputs (specs or a callable) and the loss function."""
+
+    def __init__(self, model: Any, inputs: Any, loss_fn: Callable[[Any], Any] | None = None) -> None:
+        self.source = ModelSource(model)
+        if callable(inputs) and not isinstance(inputs, torch.Tensor):
+            self.inputs_fn: Callable[[], Any] | None = inputs
+            self.specs: Any = None
+        else:
+            self.inputs_fn = None
+            self.specs = to_specs(inputs)
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a callable output -> scalar tensor, not {type(loss_fn).__name__}")
+        self.loss_fn = loss_fn
+
+    def input_specs(self, mode: FakeTensorMode) -> Any:
+        if self.specs is None:
+            assert self.inputs_fn is not None
+            with mode:
+                try:
+                    made = self.inputs_fn()
+                except Exception as err:
+                    raise EstimateError(f"the inputs callable raised {type(err).__name__}: {err}") from err
+            specs = to_specs(made)
+            from .fake import specs_in
+
+            if not specs_in(specs):
+                raise TypeError("the inputs callable must return a tensor, or a tuple/list or dict of tensors; "
+                                f"it returned {type(made).__name__}")
+            self.specs = specs  # shapes only: the callable runs once
+        return self.specs
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, torch.Tensor):
+        return output.sum()
+    parts: list[torch.Tensor] = []
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
+            parts.append(v.sum())
+    if not parts:
+        raise EstimateError(f"cannot make a loss from the model's output ({type(output).__name__}); pass loss_fn, "
+                            "e.g. loss_fn=lambda out: out.logits.sum()")
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(*inputs)
+
+
+def checkpoint_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks activation checkpointing (and FSDP) wraps: the children of the longest ModuleList or
+    Sequential of like modules; else the model's children."""
+    best: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2:
+            kids = list(m)
+            kinds = {type(k) for k in kids}
+            if len(kinds) == 1 and len(kids) > len(best) and any(True for _ in kids[0].parameters()):
+                best = kids
+    if not best:
+        best = [c for c in model.children() if any(True for _ in c.parameters())]
+    return best
+
+
+def _wrap_checkpoint(unit: nn.Module) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    inner = unit.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    unit.forward = forward  # type: ignore[method-assign]
+
+
+def trace_step(request: Request, opts: Options) -> StepTrace:
+    import time
+
+    t0 = time.perf_counter()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _trace(request, opts, mode, t0)
+
+
+def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> StepTrace:
+    import time
+
+    try:
+        model = request.source.fake(mode, opts.dtype)
+    except (TypeError, ValueError):
+        raise
+    except FAKE_PROBLEMS as err:
+        raise EstimateError(f"building the model on fake tensors failed at {err}: the model's constructor reads "
+                            "tensor values; pass an nn.Module built normally instead of a builder") from err
+    except Exception as err:
+        raise EstimateError(f"building the model raised {type(err).__name__}: {err}") from err
+    specs = request.input_specs(mode)
+    batch, seq = size_of(specs, 0), size_of(specs, 1)
+    if opts.batch is not None and batch is not None:
+        specs, batch = resize(specs, 0, batch, opts.batch), opts.batch
+    if opts.seq is not None and seq is not None:
+        specs, seq = resize(specs, 1, seq, opts.seq), opts.seq
+    micro_batch = batch
+    if opts.accumulate > 1 and batch is not None:
+        micro_batch = -(-batch // opts.accumulate)
+        specs = resize(specs, 0, batch, micro_batch)
+    with mode:
+        inputs = from_specs(specs, opts.dtype if opts.amp is None else None)
+    if opts.inference:
+        model.eval()
+    else:
+        model.train()
+    units = checkpoint_units(model)
+    if opts.checkpointing and not opts.inference:
+        for u in units:
+            _wrap_checkpoint(u)
+    params = [p for p in model.parameters()]
+    trainable = [p for p in params if p.requires_grad]
+    if not opts.inference and not trainable:
+        raise EstimateError("the model has no parameters that require gradients; use inference=True")
+    optimizer = None
+    if not opts.inference:
+        with mode:
+            optimizer = make_optimizer(opts.optimizer, trainable, opts.device)
+    registry = LiveStorages()
+    owner: dict[int, tuple[str, str]] = {}
+
+    def claim(t: Any, cat: tuple[str, str]) -> int | None:
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return None
+        entry = registry.add(t.untyped_storage())
+        owner.setdefault(entry.serial, cat)
+        return entry.serial
+
+    for p in params:
+        claim(p, ("parameters", "parameters"))
+    for b in model.buffers():
+        claim(b, ("other", "buffers"))
+    for t in _tensors(inputs):
+        claim(t, ("other", "inputs"))
+    names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
+    tracer = StepTracer(registry, names)
+    loss_fn = request.loss_fn or default_loss
+    marks: dict[str, int] = {}
+    host_scalars: set[int] = set()
+    n_micro = 1 if opts.inference else min(opts.accumulate, 2)
+    last_flops: list[int] = []
+    problem = None
+    amp = torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else contextlib.nullcontext()
+    try:
+        with mode, tracer:
+            for step in range(opts.steps):
+                last = step == opts.steps - 1
+                if last:
+                    marks["step_start"] = len(tracer.events)
+                    last_flops = list(tracer.flops)
+                if opts.inference:
+                    tracer.stage = FORWARD
+                    with torch.inference_mode(), amp:
+                        out = _call(model, inputs)
+                    if last:
+                        marks["forward_end"] = len(tracer.events)
+                    del out
+                    continue
+                for micro in range(n_micro):
+                    tracer.stage = FORWARD
+                    with amp:
+                        out = _call(model, inputs)
+                        tracer.stage = LOSS
+                        loss = loss_fn(out)
+                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                        raise EstimateError("loss_fn must return a scalar tensor, got "
+                                            f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+                    if last and micro == n_micro - 1:
+                        marks["forward_end"] = len(tracer.events)
+                    tracer.stage = BACKWARD
+                    loss.backward()
+                    del out, loss
+                    for p in trainable:
+                        claim(p.grad, ("gradients", "gradients"))
+                assert optimizer is not None
+                tracer.stage = OPTIMIZER
+                optimizer.step()
+                for state in optimizer.state.values():
+                    for key, v in state.items():
+                        if isinstance(v, torch.Tensor):
+                            scalar = v.dim() == 0
+                            s = claim(v, ("optimizer_state", "step counters" if scalar else str(key)))
+                            if scalar and s is not None:
+                                host_scalars.add(s)
+                if last:
+                    marks["step_end"] = len(tracer.events)
+                tracer.stage = ZERO_GRAD
+                optimizer.zero_grad(set_to_none=True)
+            tracer.stage = SETUP
+    except FAKE_PROBLEMS as err:
+        where = tracer.problem or (str(err), tracer.module() or "(top level)", type(err).__name__)
+        problem = (f"{where[0]} in module {where[1]!r} needs real tensor values ({where[2]}), which fake tensors do "
+                   "not have; the estimate covers what ran before it")
+        marks.setdefault("forward_end", len(tracer.events))
+    except EstimateError:
+        raise
+    except Exception as err:
+        where = tracer.module() or "(top level)"
+        raise EstimateError(f"the model raised {type(err).__name__} in module {where!r} while running on fake "
+                            f"tensors: {err}") from err
+    sizes = {serial: size for serial, size in tracer.initial.items()}
+    sizes.update(tracer.late)
+    made = tracer.made
+    module: dict[int, str] = {}
+    for serial, (size, _phase, _site) in tracer.allocs.items():
+        sizes[serial] = size
+        stage, mod, recompute = made.get(serial, (SETUP, "", False))
+        module[serial] = mod
+        if serial in owner:
+            continue
+        if stage in (FORWARD, LOSS):
+            owner[serial] = ("activations", "loss" if stage == LOSS and not mod else "forward intermediates")
+        elif stage == BACKWARD:
+            owner[serial] = ("activations", "recomputed (checkpointing)") if recompute else (
+                "other", "backward temporaries")
+        elif stage == OPTIMIZER:
+            owner[serial] = ("other", "optimizer temporaries")
+        elif stage == ZERO_GRAD:
+            owner[serial] = ("other", "zero_grad temporaries")
+        else:
+            owner[serial] = ("other", "temporaries")
+    for serial in tracer.late:
+        owner.setdefault(serial, ("other", "temporaries"))
+    step_flops = [now - before for now, before in zip(tracer.flops, last_flops or [0] * len(tracer.flops))]
+    scale = opts.accumulate / n_micro if opts.accumulate > 1 else 1.0
+    flops = {
+        "forward": int((step_flops[FORWARD] + step_flops[LOSS]) * scale),
+        "backward": int(step_flops[BACKWARD] * scale),
+        "optimizer": int(step_flops[OPTIMIZER]),
+    }
+    param_bytes = sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "parameters")
+    grad_bytes = sum(p.numel() * p.element_size() for p in trainable) if not opts.inference else 0
+    state_bytes = sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "optimizer_state")
+    seen: set[int] = set()
+    unit_bytes = []
+    for u in units:
+        n = 0
+        for p in u.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                n += p.numel() * p.element_size()
+        unit_bytes.append(n)
+    trace = StepTrace(
+        sizes=sizes, owner=owner, module=module, events=tracer.events,
+        initial=tuple(tracer.initial) + tuple(tracer.late), marks=marks, flops=flops,
+        convs=tracer.convs, copies=tracer.copies,
+        host_scalars=host_scalars, problem=problem, fused=bool(optimizer is not None and is_fused(optimizer)),
+        uses_matmul=tracer.matmul, batch=batch, seq=seq, micro_batch=micro_batch,
+        param_count=sum(p.numel() for p in params), param_bytes=param_bytes, grad_bytes=grad_bytes,
+        state_bytes=state_bytes, unit_param_bytes=unit_bytes, wall=time.perf_counter() - t0,
+    )
+    return trace
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+__all__ = ["EstimateError", "Request", "StepTrace", "trace_step", "SETUP", "OPTIMIZER"]

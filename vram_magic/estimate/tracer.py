@@ -1,0 +1,156 @@
+"""The engine's live-storage tracker, taught about a fake step: which stage and module made each storage,
+the FLOPs of every op, the convolutions whose kernels use scratch the dispatcher cannot see, and the op that
+fake tensors could not run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+)
+from torch.utils.flop_counter import flop_registry
+
+from ..engine.registry import LiveStorages
+from ..engine.tracker import Tracker
+
+SETUP, FORWARD, LOSS, BACKWARD, OPTIMIZER, ZERO_GRAD = range(6)
+STAGES = ("setup", "forward", "loss", "backward", "optimizer", "zero_grad")
+
+_ITEM = torch.ops.aten._local_scalar_dense.default
+_CONV = torch.ops.aten.convolution.default
+_CONV_BACKWARD = torch.ops.aten.convolution_backward.default
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_dot_product_flash_attention_for_cpu",
+                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"})
+_MM_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+FAKE_PROBLEMS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+
+
+def tensor_spec(t: Any) -> Any:
+    if isinstance(t, torch.Tensor):
+        cl = t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+        return ("T", tuple(int(s) for s in t.shape), t.dtype, cl)
+    if isinstance(t, (list, tuple)):
+        return tuple(tensor_spec(v) for v in t)
+    return t
+
+
+class StepTracer(Tracker):
+    """Counts the storages of fake tensors (their storages live on ``meta``) during a traced step."""
+
+    def __init__(self, registry: LiveStorages, names: dict[int, str]) -> None:
+        super().__init__(registry, "meta", record_sites=False)
+        self.stage = SETUP
+        self.names = names
+        self.modstack: list[str] = []
+        self.made: dict[int, tuple[int, str, bool]] = {}  # serial -> (stage, module, made by a recompute)
+        self.flops = [0] * len(STAGES)
+        self.convs: list[tuple[int, Any, Any]] = []  # (events so far, op, argument specs)
+        self.problem: tuple[str, str, str] | None = None  # (op, module, exception name)
+        self.item_value = 1.0
+        self.copies: list[tuple[int, int]] = []  # (events so far, bytes) of operand copies inside CPU GEMMs
+        self.matmul = False  # cuBLAS would be used (and allocate its workspace) on CUDA
+
+    # --- module stack (global hooks installed by Tracker.__enter__) -----------------------------------------
+    def _mod_pre(self, module: Any = None, *_: Any) -> None:
+        super()._mod_pre()
+        self.modstack.append(self.names.get(id(module), type(module).__name__))
+
+    def _mod_post(self, module: Any = None, *_: Any) -> None:
+        super()._mod_post()
+        if self.modstack:
+            self.modstack.pop()
+
+    def module(self) -> str:
+        return self.modstack[-1] if self.modstack else ""
+
+    # --- storages ---------------------------------------------------------------------------------------
+    def _new(self, storage: Any) -> None:
+        super()._new(storage)
+        entry = self.registry.get(id(storage))
+        if entry is not None:
+            recompute = self.stage == BACKWARD and bool(self.modstack)
+            self.made[entry.serial] = (self.stage, self.module(), recompute)
+
+    def _see(self, t: torch.Tensor, func: Any) -> None:
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        entry = self.registry.get(id(storage))
+        if entry is not None:
+            size = int(storage.nbytes())
+            if entry.size != size:  # resized in place
+                self.current += size - entry.size
+                entry.size = size
+                self.peak = max(self.peak, self.current)
+            return
+        if self._aliases(func):
+            self._late(storage)
+            return
+        self._new(storage)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is _ITEM:
+            # A value read on the host. Optimizers such as Adafactor read norms; memory does not depend on
+            # the value. In the model itself it may steer control flow, so it is reported as a problem.
+            if self.stage == OPTIMIZER:
+                return self.item_value
+        try:
+            out = func(*args, **kwargs)
+        except FAKE_PROBLEMS as err:
+            if self.problem is None:
+                self.problem = (str(func), self.module() or "(top level)", type(err).__name__)
+            raise
+        if isinstance(out, torch.Tensor):
+            self._see(out, func)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self._see(o, func)
+        packet = func.overloadpacket
+        counter = flop_registry.get(packet)
+        if counter is not None:
+            self.flops[self.stage] += int(counter(*args, **kwargs, out_val=out))
+        if not self.matmul and packet.__name__ in _MATMULS:
+            self.matmul = True
+        if func is _CONV or func is _CONV_BACKWARD:
+            self.convs.append((len(self.events), func, tensor_spec(args)))
+        elif func in _MM_OPS and isinstance(out, torch.Tensor):
+            extra = gemm_copies(func, args, out)
+            if extra:
+                self.copies.append((len(self.events), extra))
+        return out
+
+
+def gemm_copies(func: Any, args: Any, out: torch.Tensor) -> int:
+    """Bytes of the operand copies the CPU GEMM (``addmm_impl_cpu_``) makes inside the op: an operand whose
+    strides BLAS cannot take (an expanded gradient, a strided slice) is cloned contiguous first."""
+    m1, m2 = (args[0], args[1]) if func is torch.ops.aten.mm.default else (args[1], args[2])
+    if not (isinstance(m1, torch.Tensor) and isinstance(m2, torch.Tensor)) or m1.dim() != 2 or m2.dim() != 2:
+        return 0
+    m, k, n = m1.shape[0], m1.shape[1], m2.shape[1]
+    rs = out.stride()
+    if rs[0] == 1 and (out.shape[1] == 1 or rs[1] >= max(1, m)):
+        transpose_c = False
+    elif rs[1] == 1 and (out.shape[0] == 1 or rs[0] >= max(1, n)):
+        m1, m2, m, n, transpose_c = m2, m1, n, m, True
+    else:
+        return out.numel() * out.element_size()  # the result is computed in a Fortran-ordered copy
+    i, j = (1, 0) if transpose_c else (0, 1)
+
+    def needs_copy(t: torch.Tensor, first: int, second: int) -> bool:
+        st = t.stride()
+        return not ((st[i] == 1 and st[j] >= max(1, first)) or (st[j] == 1 and st[i] >= max(1, second)))
+
+    extra = 0
+    if needs_copy(m1, m, k):
+        extra += m1.numel() * m1.element_size()
+    if needs_copy(m2, k, n):
+        extra += m2.numel() * m2.element_size()
+    return extra
