@@ -89,17 +89,26 @@ def _pressure(report: CellReport) -> list[Advice]:
             "ZeRO-2/FSDP shard gradients over GPUs; bf16 parameters halve them.",
             grads // 2, model, "gradients"))
     if report.oom is not None:
-        for name, n in report.oom.holders[:2]:
+        owned = {*peak.details("parameters"), *peak.details("gradients"), *peak.details("optimizer_state")}
+        variables = [(name, n) for name, n in report.oom.holders if name not in owned]
+        for name, n in variables[:2]:
+            local = " in " in name  # a function's local: gone with the failed call's frames
             out.append(Advice(
                 f"`{name}` held {format_bytes(n)} when memory ran out",
                 f"free it before the failing line (`del {name.split(' in ')[0]}`), keep it on the CPU, or make "
-                "it smaller; it was released with the failed cell, so the next run starts lower.",
+                "it smaller" + ("; as a local it was released with the failed call." if local else "."),
                 n, name, "holder"))
     if report.oom is not None and report.oom.requested:
         free = (report.oom.capacity or 0) - report.oom.live.total
+        where = {"forward": " in the forward pass: activations grow with the batch (and sequence), so a smaller "
+                            "batch with gradient accumulation, bf16 autocast or checkpointing shrink it",
+                 "backward": " in backward: gradients of activations grow with the batch; a smaller batch or "
+                             "activation checkpointing shrink them",
+                 "optimizer": " in the optimizer step: a lighter optimizer or `foreach=False` avoids "
+                              "whole-model temporaries"}.get(report.oom.phase, "")
         out.append(Advice(
             "the failing request",
-            f"{format_bytes(report.oom.requested)} was asked for with {format_bytes(max(free, 0))} free.",
+            f"{format_bytes(report.oom.requested)} was asked for with {format_bytes(max(free, 0))} free{where}.",
             0, "", "oom"))
     return out
 

@@ -143,6 +143,7 @@ class OomInfo:
     live: Breakdown
     holders: tuple[tuple[str, int], ...] = ()
     site: tuple[tuple[str, int, str], ...] = ()
+    phase: str = ""  # where the failing request was made: forward, backward, optimizer or cell
 
     def __bool__(self) -> bool:
         return True

@@ -68,6 +68,13 @@ def to_snapshot(report: CellReport) -> dict[str, Any]:
         segments.append({"device": index, "address": a, "total_size": b.size, "allocated_size": b.size,
                          "active_size": b.size, "requested_size": b.size, "stream": 0, "segment_type": "large",
                          "segment_pool_id": (0, 0), "is_expandable": False, "frames": [], "blocks": [block]})
+    for i, (cat, label, n) in enumerate(trace.base):  # storages alive throughout, one block per holder
+        a = _SYNTHETIC_BASE - (i + 1) * 2**40
+        block = {"address": a, "size": n, "requested_size": n, "state": "active_allocated", "frames": [],
+                 "category": cat, "label": f"{label} (alive before the cell)"}
+        segments.append({"device": index, "address": a, "total_size": n, "allocated_size": n, "active_size": n,
+                         "requested_size": n, "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
+                         "is_expandable": False, "frames": [], "blocks": [block]})
     device_traces: list[list[dict[str, Any]]] = [[] for _ in range(index + 1)]
     device_traces[index] = events
     return {"segments": segments, "device_traces": device_traces, "allocator_settings": {},

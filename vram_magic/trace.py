@@ -28,8 +28,10 @@ class Block:
 class Trace:
     """``events`` holds ``+serial`` for an allocation and ``-serial`` for a free, in order.
 
-    ``initial`` are the serials alive before the first event. ``peak_index`` is the number of events applied
-    when memory was highest (0: the peak is the start).
+    ``initial`` are the serials alive before the first event that the cell frees (or that changed hands);
+    ``base`` sums, as ``(category, label, bytes)`` rows, the storages alive throughout the cell — they are
+    constant, so they need no block each. ``peak_index`` is the number of events applied when memory was
+    highest (0: the peak is the start).
     """
 
     device: str
@@ -38,6 +40,7 @@ class Trace:
     events: array = field(default_factory=lambda: array("q"))
     peak_index: int = 0
     truncated: bool = False
+    base: tuple[tuple[str, str, int], ...] = ()
 
     def alive_at(self, index: int) -> set[int]:
         alive = set(self.initial)
@@ -50,6 +53,8 @@ class Trace:
 
     def breakdown_at(self, index: int) -> Breakdown:
         rows: dict[tuple[str, str], int] = {}
+        for cat, label, n in self.base:
+            rows[(cat, label)] = rows.get((cat, label), 0) + n
         for serial in self.alive_at(index):
             b = self.blocks[serial]
             rows[(b.category, b.label)] = rows.get((b.category, b.label), 0) + b.size
@@ -58,6 +63,8 @@ class Trace:
     def totals(self) -> dict[str, list[int]]:
         """Bytes per category after each event, starting with the state before the first event."""
         current = dict.fromkeys(CATEGORIES, 0)
+        for cat, _, n in self.base:
+            current[cat] += n
         for s in self.initial:
             current[self.blocks[s].category] += self.blocks[s].size
         series: dict[str, list[int]] = {c: [current[c]] for c in CATEGORIES}

@@ -78,11 +78,9 @@ class _Walker:
 
     # --- assign (first claim wins: the order is the priority) -----------------------------------
     def claim(self, t: Any, category: str, label: str, holder: str | None = None) -> int | None:
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            return None
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+        except (AttributeError, RuntimeError, NotImplementedError):  # not a tensor, or sparse/nested
             return None
         key = id(storage)
         self.registry.add(storage)
@@ -93,9 +91,13 @@ class _Walker:
         return key
 
     def assign(self) -> Scan:
-        params: list[tuple[str, torch.nn.Parameter]] = []
+        params: list[tuple[str, Any]] = []
+        buffers: list[tuple[str, Any]] = []
         for name, m in self.modules:
-            params.extend((name, p) for p in m.parameters())
+            # straight from each submodule's dicts: much cheaper than parameters()/buffers() generators
+            for sub in (m.modules() if m._modules else (m,)):
+                params.extend((name, p) for p in sub._parameters.values() if p is not None)
+                buffers.extend((name, b) for b in sub._buffers.values() if b is not None)
         for name, opt in self.optimizers:
             for group in opt.param_groups:
                 params.extend((name, p) for p in group.get("params", ()))
@@ -109,9 +111,8 @@ class _Walker:
                 if isinstance(state, Mapping):
                     for v in state.values():
                         self.claim(v, "optimizer_state", name, name)
-        for name, m in self.modules:
-            for b in m.buffers():
-                self.claim(b, "other", f"buffers of {name}", name)
+        for name, b in buffers:
+            self.claim(b, "other", f"buffers of {name}", name)
         for name, t in self.tensors:
             # a forward output (part of a graph) is an activation; a leaf (input, user data) is "other"
             self.claim(t, "activations" if t.grad_fn is not None else "other", name, name)

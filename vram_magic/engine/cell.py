@@ -170,19 +170,26 @@ class Measurement:
     def _trace(self, tracker: Tracker, scan_after: Scan) -> Trace:
         blocks: dict[int, Block] = {}
         alive = {e.serial: key for key, e in self.registry.entries(self.device)}
+        freed = {-ev for ev in tracker.events if ev < 0}
+        base: dict[tuple[str, str], int] = {}
+        initial = []
         for serial, size in {**tracker.initial, **tracker.late}.items():
             key = alive.get(serial)
             if key is not None:
                 cat = scan_after.category(key)
             else:
                 cat = self._before_owner.get(serial, ("other", "unattributed"))
-            blocks[serial] = Block(serial, size, cat[0], cat[1])
+            if serial in freed or key is None:
+                blocks[serial] = Block(serial, size, cat[0], cat[1])
+                initial.append(serial)
+            else:  # alive throughout: a constant, summed
+                base[cat] = base.get(cat, 0) + size
         for serial, (size, phase, site) in tracker.allocs.items():
             key = alive.get(serial)
             cat = _category(scan_after, key, (size, phase, site)) if key is not None else PHASE_CATEGORY[phase]
             blocks[serial] = Block(serial, size, cat[0], cat[1], site=site, phase=PHASE_NAMES[phase])
-        initial = tuple(tracker.initial) + tuple(tracker.late)
-        return Trace(self.device, blocks, initial, tracker.events, tracker.peak_index, tracker.truncated)
+        return Trace(self.device, blocks, tuple(initial), tracker.events, tracker.peak_index, tracker.truncated,
+                     base=tuple((c, lab, n) for (c, lab), n in base.items()))
 
     def _reconcile(self, after: Breakdown, peak: Breakdown, stats: DeviceStats | None,
                    notes: list[str]) -> tuple[Breakdown, Breakdown]:
@@ -207,6 +214,9 @@ class Measurement:
         live = trace.breakdown_at(index)
         names = tracker.oom_holders
         holders: dict[str, int] = {}
+        for _, label, n in trace.base:
+            if label and label != "unattributed":
+                holders[label] = holders.get(label, 0) + n
         for serial in trace.alive_at(index):
             b = trace.blocks[serial]
             name = names.get(serial) or (b.label if b.label not in ("unattributed",) else "")
@@ -219,6 +229,7 @@ class Measurement:
             live=live,
             holders=tuple(sorted(holders.items(), key=lambda kv: -kv[1])),
             site=info.get("site", ()),
+            phase=PHASE_NAMES[info["phase"]] if "phase" in info else "",
         )
 
 

@@ -66,6 +66,9 @@ class Tracker(TorchDispatchMode):
         self._module_depth = 0
         self._aliasing: dict[Any, bool] = {}
         self._hooks: list[Any] = []
+        self._lookup = registry.get
+        self._cpu = device == "cpu"
+        self._torch_device = torch.device(device)
 
     # --- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> Tracker:
@@ -174,20 +177,21 @@ class Tracker(TorchDispatchMode):
         self.peak += entry.size
 
     def _see(self, t: torch.Tensor, func: Any) -> None:
+        # The hot path: runs for every tensor every op returns. Keep it to dict look-ups.
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
             return
-        entry = self.registry.get(id(storage))
+        entry = self._lookup(id(storage))
         if entry is not None:
-            size = storage_size(storage, entry.device)
-            if entry.device == self.device and entry.size != size:  # resized in place (out=)
-                grow = size - entry.size
-                entry.size += grow
-                self.current += grow
-                self.peak = max(self.peak, self.current)
+            if self._aliases(func):  # in place or out=: the storage may have been resized
+                size = storage_size(storage, entry.device)
+                if entry.device == self.device and entry.size != size:
+                    self.current += size - entry.size
+                    entry.size = size
+                    self.peak = max(self.peak, self.current)
             return
-        if device_key(t.device) != self.device:
+        if (not t.is_cpu) if self._cpu else (t.device != self._torch_device):
             self.registry.add(storage)  # another device: known for its own reports, not counted here
             return
         if self._aliases(func):

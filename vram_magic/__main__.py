@@ -1,0 +1,31 @@
+"""Command line: ``python -m vram_magic demo`` and ``python -m vram_magic estimate MODULE:BUILDER …``."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: python -m vram_magic demo
+       python -m vram_magic estimate package.module:build_model [options]   (see: estimate --help)"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "demo":
+        from .demo import run_demo
+
+        run_demo()
+        return 0
+    if cmd == "estimate":
+        from .estimate.cli import main as estimate_main
+
+        return estimate_main(rest)
+    print(f"unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
