@@ -17,6 +17,8 @@ from .units import parse_size
 
 _LINE_HELP = (
     "%vram                 memory of the device now\n"
+    "%vram all             memory of the CPU and of every visible GPU now\n"
+    "%vram --device DEV    memory of one device now (cpu, cuda, cuda:N)\n"
     "%vram history         one row per measured cell (pandas DataFrame)\n"
     "%vram diff [A B]      compare two measured cells (default: the last two)\n"
     "%vram auto on|off     measure every cell\n"
@@ -148,6 +150,8 @@ class VramMagics(Magics):
             return self.session.now()
         cmd, rest = words[0], words[1:]
         try:
+            if cmd == "all":  # every device: the CPU and each visible GPU
+                return [self.session.now(dev) for dev in _devices()]
             if cmd == "history":
                 return self.session.history_frame()
             if cmd == "diff":
@@ -226,6 +230,12 @@ class VramMagics(Magics):
     def close(self) -> None:
         self.set_auto(False)
         self.session.close()
+
+
+def _devices() -> list[str]:
+    import torch
+
+    return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
 
 
 def _has_kernel(shell: Any) -> bool:
