@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# CI notebook stage: the tutorial notebooks
+#   1. execute headless with ipywidgets 7.7 (what Colab ships) in the kernel, and every %%vram output must carry the
+#      widget view and its text fallback (tests/test_notebooks.py, the same test the main suite runs with 8.x);
+#   2. execute with the project's own environment, convert to HTML with the widget state, and open the pages in
+#      headless chromium with the widget manager and require.js served from local copies and every non-local
+#      request blocked: the bars must render. Screenshots go to ci-artifacts/notebooks/.
+#
+# Run from the repository root as `bash ci/notebooks.sh`, with the project's venv at .venv (or PYTHON=...).
+# Installs what it needs (Debian chromium, the npm packages in ci/browser/) on a fresh machine; needs no stdin.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+ART=$ROOT/ci-artifacts/notebooks
+CACHE=${VRAM_CI_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/vram_magic-ci}
+START=$(date +%s)
+
+step() { echo "== [$(($(date +%s) - START)) s] $*"; }
+fail() { echo "ci/notebooks.sh: $*" >&2; exit 1; }
+
+[ -x "$PYTHON" ] || fail "no Python at $PYTHON (create the venv first, or set PYTHON)"
+rm -rf "$ART"
+mkdir -p "$ART" "$CACHE"
+
+# --- tools --------------------------------------------------------------------------------------------------
+step "system packages"
+missing=()
+command -v chromium >/dev/null || missing+=(chromium)
+command -v node >/dev/null || missing+=(nodejs)
+command -v npm >/dev/null || missing+=(npm)
+dpkg -s fonts-dejavu-core >/dev/null 2>&1 || missing+=(fonts-dejavu-core)
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+CHROMIUM=$(command -v chromium)
+echo "$("$CHROMIUM" --version 2>/dev/null | head -1), node $(node --version)"
+
+step "npm packages (ci/browser)"
+if ! (cd ci/browser && node -e 'require.resolve("playwright-core"); require.resolve("requirejs"); require.resolve("@jupyter-widgets/html-manager/package.json")' 2>/dev/null) \
+    || [ ci/browser/package-lock.json -nt ci/browser/node_modules/.package-lock.json ]; then
+    (cd ci/browser && npm ci --no-audit --no-fund --loglevel=error)
+fi
+
+step "python packages"
+"$PYTHON" - <<'EOF' || "$PYTHON" -m pip install -q nbclient nbformat ipykernel nbconvert pytest
+import importlib.util, sys
+sys.exit(any(importlib.util.find_spec(m) is None for m in ("nbclient", "nbformat", "ipykernel", "nbconvert", "pytest")))
+EOF
+
+# ipywidgets 7.7 goes into a folder put first on PYTHONPATH (inherited by the kernels the test starts), so the same
+# environment runs with Colab's kernel-side widgets without building a second one with torch in it.
+IPYW7=$CACHE/ipywidgets-7.7
+if [ ! -f "$IPYW7/.complete" ]; then
+    rm -rf "$IPYW7"
+    "$PYTHON" -m pip install -q --no-deps --target "$IPYW7" \
+        "ipywidgets==7.7.*" "widgetsnbextension~=3.6.0" "jupyterlab_widgets~=1.1" "ipython_genutils"
+    touch "$IPYW7/.complete"
+fi
+
+# --- 1. ipywidgets 7.7 ---------------------------------------------------------------------------------------
+step "notebooks with ipywidgets $(PYTHONPATH=$IPYW7 "$PYTHON" -c 'import ipywidgets; print(ipywidgets.__version__)')"
+PYTHONPATH=$IPYW7${PYTHONPATH:+:$PYTHONPATH} VRAM_EXPECT_IPYWIDGETS=7 VRAM_NOTEBOOKS_OUT=$ART/executed-ipywidgets7 \
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_notebooks.py
+
+# --- 2. real browser -----------------------------------------------------------------------------------------
+step "notebooks with ipywidgets $("$PYTHON" -c 'import ipywidgets; print(ipywidgets.__version__)'), executed for the browser"
+SITE=$ART/site
+mkdir -p "$SITE" "$ART/work"
+cp notebooks/*.ipynb "$ART/work/"   # executed on a copy: the notebooks write files next to themselves
+cp ci/browser/node_modules/@jupyter-widgets/html-manager/dist/* "$SITE/"
+cp ci/browser/node_modules/requirejs/require.js "$SITE/"
+(cd "$ART/work" && "$PYTHON" -m jupyter nbconvert --to html --execute --ExecutePreprocessor.timeout=300 \
+    --ExecutePreprocessor.kernel_name=python3 \
+    --HTMLExporter.widget_renderer_url=embed-amd.js --HTMLExporter.require_js_url=require.js \
+    --output-dir "$SITE" --log-level=WARN ./*.ipynb)
+# The ipywidgets 7.7 notebooks too: their state uses the 1.x widget models, which the same manager must render.
+for nb in "$ART"/executed-ipywidgets7/*.ipynb; do
+    "$PYTHON" -m jupyter nbconvert --to html "$nb" --output "$(basename "${nb%.ipynb}")-ipywidgets7" \
+        --HTMLExporter.widget_renderer_url=embed-amd.js --HTMLExporter.require_js_url=require.js \
+        --output-dir "$SITE" --log-level=WARN
+done
+
+step "chromium"
+PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+"$PYTHON" -m http.server "$PORT" --bind 127.0.0.1 --directory "$SITE" >"$ART/http.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null || true' EXIT
+for _ in $(seq 50); do
+    "$PYTHON" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$PORT/')" 2>/dev/null && break
+    sleep 0.1
+done
+mkdir -p "$ART/screenshots"
+pages=()
+for page in "$SITE"/*.html; do pages+=("$(basename "$page")"); done
+CHROMIUM=$CHROMIUM node ci/browser/check.mjs "http://127.0.0.1:$PORT/" "$ART/screenshots" "${pages[@]}"
+
+step "done; screenshots in ${ART#"$ROOT"/}/screenshots"

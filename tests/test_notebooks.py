@@ -1,0 +1,124 @@
+"""Every tutorial notebook runs top to bottom in a real kernel, and every ``%%vram`` output carries the widget
+view with its text and HTML fallbacks.
+
+The kernel is the Python running the tests (jupyter_client swaps the kernelspec's ``python`` for
+``sys.executable``), so the same test checks whichever ipywidgets that environment has (``ci/notebooks.sh``
+runs it once more with ipywidgets 7.7). Set ``VRAM_NOTEBOOKS_OUT=DIR`` to keep the executed notebooks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+TIME_LIMIT_S = 90  # what Binder's 2 cores must manage, per notebook
+SIZE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)? (?:B|KiB|MiB|GiB)\b")
+
+
+def _magic_options(source: str) -> list[str] | None:
+    """The options of a ``%%vram`` cell, or None for other cells."""
+    first = source.lstrip().split("\n", 1)[0]
+    if not first.startswith("%%vram"):
+        return None
+    return first.split()[1:]
+
+
+def _execute(path: Path) -> tuple[nbformat.NotebookNode, float]:
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(
+        nb,
+        kernel_name="python3",
+        timeout=300,
+        resources={"metadata": {"path": str(path.parent)}},
+        store_widget_state=True,
+    )
+    start = time.perf_counter()
+    client.execute()
+    return nb, time.perf_counter() - start
+
+
+def _output_text(nb: nbformat.NotebookNode) -> str:
+    parts = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            parts.append(out.get("text", ""))
+            parts.append(out.get("data", {}).get("text/plain", ""))
+    return "\n".join(parts)
+
+
+def _sizes_not_printed(nb: nbformat.NotebookNode) -> list[str]:
+    """Byte sizes quoted in the prose that no output shows: prose must quote what the cells print."""
+    printed = _output_text(nb)
+    quoted = {m for cell in nb.cells if cell.cell_type == "markdown" for m in SIZE.findall(cell.source)}
+    return sorted(size for size in quoted if size not in printed)
+
+
+def test_there_are_five_notebooks() -> None:
+    assert [p.name[:3] for p in NOTEBOOKS] == ["01_", "02_", "03_", "04_", "05_"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_saved_notebook_has_outputs_badges_and_colab_install(path: Path) -> None:
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count for c in code), "save the notebook executed, with its outputs"
+    assert "application/vnd.jupyter.widget-state+json" in nb.metadata.get("widgets", {}), "save the widget state"
+    head = nb.cells[0].source
+    assert f"colab.research.google.com/github/vram-magic/vram_magic/blob/main/notebooks/{path.name}" in head
+    assert f"mybinder.org/v2/gh/vram-magic/vram_magic/main?labpath=notebooks%2F{path.name}" in head
+    assert "google.colab" in code[0].source and "%pip install" in code[0].source
+    assert not _sizes_not_printed(nb), f"sizes in the prose that no output shows: {_sizes_not_printed(nb)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_executes_with_widget_outputs(path: Path, tmp_path: Path) -> None:
+    # Executing in place would write files (snapshots, CSVs) next to the notebooks; run on a copy instead.
+    work = tmp_path / path.name
+    work.write_bytes(path.read_bytes())
+    nb, seconds = _execute(work)
+
+    out_dir = os.environ.get("VRAM_NOTEBOOKS_OUT")
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, Path(out_dir) / path.name)
+
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    measured = 0
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        errors = [o for o in cell.outputs if o.output_type == "error"]
+        expects_error = "raises-exception" in cell.metadata.get("tags", [])
+        assert bool(errors) == expects_error, f"cell {index}: {errors or 'expected an error'}\n{cell.source}"
+        options = _magic_options(cell.source)
+        if options is None or "-q" in options or "--quiet" in options:
+            continue
+        measured += 1
+        bundles = [o.data for o in cell.outputs if o.output_type == "display_data" and WIDGET_VIEW in o.get("data", {})]
+        assert len(bundles) == 1, f"cell {index}: {len(bundles)} widget outputs\n{cell.source}"
+        data = bundles[0]
+        assert data[WIDGET_VIEW]["model_id"], f"cell {index}: widget view without a model id"
+        assert data["text/plain"].startswith("%%vram cell"), f"cell {index}: text fallback {data['text/plain'][:80]!r}"
+        assert "vram-bar" in data["text/html"], f"cell {index}: HTML fallback has no bars"
+        assert data[WIDGET_VIEW]["model_id"] in state, f"cell {index}: the widget's state was not saved"
+
+    assert measured >= 2, "a tutorial notebook should measure cells with %%vram"
+    assert not _sizes_not_printed(nb), f"sizes in the prose that the outputs no longer show: {_sizes_not_printed(nb)}"
+    expect = os.environ.get("VRAM_EXPECT_IPYWIDGETS")
+    if expect:  # the kernel really ran that ipywidgets: its models carry the matching protocol version
+        controls = [m for m in state.values() if m["model_module"] == "@jupyter-widgets/controls"]
+        versions = {m["model_module_version"] for m in controls}
+        major = {"7": "1.", "8": "2."}[expect]
+        assert versions and all(v.startswith(major) for v in versions), f"controls model versions {versions}"
+    assert seconds < TIME_LIMIT_S, f"{path.name} took {seconds:.0f} s (limit {TIME_LIMIT_S} s)"
