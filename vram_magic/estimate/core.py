@@ -178,8 +178,8 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
 
 def search_max(fits: Callable[[int], bool], start: int, limit: int = 1 << 20,
                progress: Callable[[str], None] | None = None) -> tuple[int, int]:
-    """Largest ``n`` with ``fits(n)``: doubling from ``start``, then bisection. ``(n, trials)``; 0 if even
-    1 does not fit."""
+    """Largest ``n`` with ``fits(n)`` (to within 3 %): doubling from ``start``, then bisection.
+    ``(n, trials)``; 0 if even 1 does not fit."""
     trials = 0
 
     def test(n: int) -> bool:
@@ -214,7 +214,7 @@ def search_max(fits: Callable[[int], bool], start: int, limit: int = 1 << 20,
             n //= 2
         if lo == 0:
             return 0, trials
-    while hi - lo > 1:
+    while hi - lo > max(1, lo // 32):  # within 3 %: each trial is a full fake run
         mid = (lo + hi) // 2
         if test(mid):
             lo = mid

@@ -147,13 +147,20 @@ def _wrap_checkpoint(unit: nn.Module) -> None:
 
 
 def trace_step(request: Request, opts: Options) -> StepTrace:
+    import logging
     import time
 
     t0 = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return _trace(request, opts, mode, t0)
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)  # fake tensors log a model's shape errors; ours says it once, clearly
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _trace(request, opts, mode, t0)
+    finally:
+        log.setLevel(level)
 
 
 def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> StepTrace:
@@ -237,6 +244,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                     del out
                     continue
                 for micro in range(n_micro):
+                    out = loss = None  # the previous micro-batch's output lives until this one replaces it
                     tracer.stage = FORWARD
                     with amp:
                         out = _call(model, inputs)
@@ -249,7 +257,6 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                         marks["forward_end"] = len(tracer.events)
                     tracer.stage = BACKWARD
                     loss.backward()
-                    del out, loss
                     for p in trainable:
                         claim(p.grad, ("gradients", "gradients"))
                 assert optimizer is not None
@@ -266,6 +273,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                     marks["step_end"] = len(tracer.events)
                 tracer.stage = ZERO_GRAD
                 optimizer.zero_grad(set_to_none=True)
+                del out, loss  # as a loop that ends each step with `del out, loss` (or returns) does
             tracer.stage = SETUP
     except FAKE_PROBLEMS as err:
         where = tracer.problem or (str(err), tracer.module() or "(top level)", type(err).__name__)
@@ -275,9 +283,10 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     except EstimateError:
         raise
     except Exception as err:
-        where = tracer.module() or "(top level)"
-        raise EstimateError(f"the model raised {type(err).__name__} in module {where!r} while running on fake "
-                            f"tensors: {err}") from err
+        op, where = tracer.failed_in or ("", tracer.module() or "(top level)")
+        at = f" at {op}" if op else ""
+        raise EstimateError(f"the model raised {type(err).__name__} in module {where!r}{at} while running on fake "
+                            f"tensors (check the input shapes and dtypes): {err}") from err
     sizes = {serial: size for serial, size in tracer.initial.items()}
     sizes.update(tracer.late)
     made = tracer.made

@@ -4,8 +4,9 @@ oneDNN (mkldnn) convolutions reorder their input, weight and gradients into bloc
 in buffers from PyTorch's allocator that are gone again when the op returns: invisible to a dispatch mode,
 visible to the allocator (and the profiler's memory timeline). How much depends on the layer and on the
 algorithm oneDNN picks on this machine, so it is measured rather than guessed: each distinct convolution
-of the step is run for real at batch 1 and 2 under the profiler, and its scratch extrapolated linearly in
-the batch. That costs a few milliseconds per distinct layer and kilobytes to megabytes of real memory.
+of the step is run for real under the profiler, at the step's batch when its tensors take at most
+``PROBE_BUDGET``, else at the two largest batches that do, extrapolated linearly in the batch (exact at
+small batches, where oneDNN may pick other algorithms, is why two tiny batches are not enough).
 """
 
 from __future__ import annotations
@@ -34,17 +35,40 @@ def _freeze(spec: Any) -> Any:
     return spec
 
 
+#: Real memory the probes may use: a layer whose tensors fit runs at the step's own batch (exact); a
+#: bigger one runs at the two largest batches that fit, and its scratch is extrapolated linearly.
+PROBE_BUDGET = 256 * 2**20
+
+
 @functools.lru_cache(maxsize=512)
 def _scratch_for(func: str, spec: Any) -> int:
     batch = _batch(func, spec)
     if batch is None:
         return 0
+    per_sample = sum(_nbytes(s) // max(batch, 1) for s in spec[:2] if _is_tensor(s)) or 1
+    largest = max(1, PROBE_BUDGET // (4 * per_sample))
     try:
-        e1 = _probe(func, spec, 1)
-        e2 = _probe(func, spec, 2) if batch > 1 else e1
+        if batch <= largest:
+            return max(0, _probe(func, spec, batch))
+        b2 = largest
+        b1 = max(1, b2 // 2)
+        if b1 == b2:
+            b2 = b1 + 1
+        e1, e2 = _probe(func, spec, b1), _probe(func, spec, b2)
     except Exception:  # an op we cannot replay for real: no modelled scratch
         return 0
-    return max(0, int(e1 + (e2 - e1) * (batch - 1)))
+    return max(0, int(e2 + (e2 - e1) * (batch - b2) / (b2 - b1)))
+
+
+def _is_tensor(spec: Any) -> bool:
+    return isinstance(spec, tuple) and bool(spec) and spec[0] == "T"
+
+
+def _nbytes(spec: Any) -> int:
+    n = 1
+    for d in spec[1]:
+        n *= d
+    return n * torch.empty((), dtype=spec[2]).element_size()
 
 
 def _batch(func: str, spec: Any) -> int | None:

@@ -52,6 +52,7 @@ class StepTracer(Tracker):
         self.convs: list[tuple[int, Any, Any]] = []  # (events so far, op, argument specs)
         self.problem: tuple[str, str, str] | None = None  # (op, module, exception name)
         self.item_value = 1.0
+        self.failed_in: tuple[str, str] | None = None
         self.copies: list[tuple[int, int]] = []  # (events so far, bytes) of operand copies inside CPU GEMMs
         self.matmul = False  # cuBLAS would be used (and allocate its workspace) on CUDA
 
@@ -106,6 +107,10 @@ class StepTracer(Tracker):
         except FAKE_PROBLEMS as err:
             if self.problem is None:
                 self.problem = (str(func), self.module() or "(top level)", type(err).__name__)
+            raise
+        except Exception:
+            if self.failed_in is None:  # the module hooks unwind before the caller sees the exception
+                self.failed_in = (str(func), self.module() or "(top level)")
             raise
         if isinstance(out, torch.Tensor):
             self._see(out, func)
