@@ -47,6 +47,9 @@ class VramMagics(Magics):
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
+        from .engine.frames import refresh_shell_codes
+
+        refresh_shell_codes()
         self.session = Session(shell.user_ns, history_size=self.history_size)
         self._auto = False
         self._auto_skip = False

@@ -45,11 +45,45 @@ def is_user_code(code: CodeType) -> bool:
 
 
 def user_frames(frame: FrameType | None, limit: int = 4) -> tuple[tuple[str, int, str], ...]:
-    """Innermost-first ``(filename, line, function)`` of user frames, at most ``limit``."""
+    """Innermost-first ``(filename, line, function)`` of user frames, at most ``limit``.
+
+    Stops at the first frame of the shell that runs the cell (nothing above it is the user's)."""
     out = []
+    is_user = _is_user.get
     while frame is not None and len(out) < limit:
         code = frame.f_code
-        if is_user_code(code):
+        hit = is_user(code)
+        if hit is None:
+            hit = is_user_code(code)
+        if hit:
             out.append((code.co_filename, frame.f_lineno, code.co_name))
+        elif out and code in _SHELL_CODES:
+            break
         frame = frame.f_back
     return tuple(out)
+
+
+def _shell_codes() -> set[CodeType]:
+    codes: set[CodeType] = set()
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+
+        codes.add(InteractiveShell.run_code.__code__)
+    except Exception:
+        pass
+    try:
+        from ..magics import VramMagics
+
+        codes.add(VramMagics._run_code.__code__)
+    except Exception:
+        pass
+    return codes
+
+
+_SHELL_CODES: set[CodeType] = set()
+
+
+def refresh_shell_codes() -> None:
+    """Learn the shell's cell-running frames (called when a measurement starts in IPython)."""
+    if not _SHELL_CODES:
+        _SHELL_CODES.update(_shell_codes())

@@ -12,15 +12,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 
-class Entry:
-    __slots__ = ("ref", "serial", "size", "device", "addr")
+class Entry(weakref.ref):
+    """The weakref to one storage, carrying what we know of it (one object per storage: cheap)."""
 
-    def __init__(self, ref: weakref.ref, serial: int, size: int, device: str, addr: int) -> None:
-        self.ref = ref
-        self.serial = serial
-        self.size = size
-        self.device = device
-        self.addr = addr
+    __slots__ = ("key", "serial", "size", "device", "addr")
+
+    key: int
+    serial: int
+    size: int
+    device: str
+    addr: int
 
 
 def storage_size(storage: Any, device: str) -> int:
@@ -44,42 +45,42 @@ class LiveStorages:
         self._serials = itertools.count(1)
         # Called with the Entry of each freed storage (the active tracker listens while a cell runs).
         self.on_free: Callable[[Entry], None] | None = None
+        self.get = self._entries.get
+
+        entries = self._entries
+
+        def freed(entry: Entry) -> None:
+            if entries.pop(entry.key, None) is not None:
+                listener = self.on_free
+                if listener is not None:
+                    listener(entry)
+
+        self._freed = freed
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: int) -> Entry | None:
-        return self._entries.get(key)
-
     def add(self, storage: Any) -> Entry:
         """Register ``storage`` (an ``UntypedStorage``) if new; return its entry."""
-        key = id(storage)
-        entry = self._entries.get(key)
+        entry = self._entries.get(id(storage))
         if entry is not None:
             return entry
-        try:
-            addr = storage.data_ptr()
-        except Exception:  # fake or otherwise dataless storages
-            addr = 0
         device = device_key(storage.device)
-        entry = Entry(
-            weakref.ref(storage, self._make_callback(key)),
-            next(self._serials),
-            storage_size(storage, device),
-            device,
-            addr,
-        )
+        return self.add_new(storage, id(storage), storage_size(storage, device), device)
+
+    def add_new(self, storage: Any, key: int, size: int, device: str) -> Entry:
+        """Register a storage known to be new (the tracker's hot path)."""
+        entry = Entry(storage, self._freed)
+        entry.key = key
+        entry.serial = next(self._serials)
+        entry.size = size
+        entry.device = device
+        try:
+            entry.addr = storage.data_ptr()
+        except Exception:  # fake or otherwise dataless storages
+            entry.addr = 0
         self._entries[key] = entry
         return entry
-
-    def _make_callback(self, key: int) -> Callable[[weakref.ref], None]:
-        def freed(_ref: weakref.ref, key: int = key, entries: dict[int, Entry] = self._entries) -> None:
-            entry = entries.pop(key, None)
-            listener = self.on_free
-            if entry is not None and listener is not None:
-                listener(entry)
-
-        return freed
 
     def entries(self, device: str | None = None) -> Iterator[tuple[int, Entry]]:
         for key, entry in list(self._entries.items()):

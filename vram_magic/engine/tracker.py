@@ -126,10 +126,10 @@ class Tracker(TorchDispatchMode):
             self.truncated = True
 
     def _new(self, storage: Any) -> None:
-        size = storage_size(storage, self.device)
+        size = storage.nbytes() if self._cpu else storage_size(storage, self.device)
         if self.budget is not None and self.current + size > self.budget:
             self._raise_oom(size)
-        entry = self.registry.add(storage)
+        entry = self.registry.add_new(storage, id(storage), size, self.device)
         self.current += size
         if len(self.events) < self.max_events:
             self.events.append(entry.serial)
