@@ -197,6 +197,12 @@ class CellReport:
             return []
         return self.trace.sites_at(self.trace.peak_index, top=top)
 
+    def peak_modules(self, top: int = 5) -> list[tuple[str, int]]:
+        """The modules whose forward allocated what was alive at the peak: ``[("model.0", bytes), ...]``."""
+        if self.trace is None:
+            return []
+        return self.trace.modules_at(self.trace.peak_index, top=top)
+
     def __str__(self) -> str:
         from .render.text import report_text
 

@@ -22,6 +22,7 @@ class Block:
     addr: int = 0
     site: tuple[Frame, ...] = ()
     phase: str = ""  # "forward", "backward", "optimizer", "cell" for allocations made during the cell
+    module: str = ""  # the innermost module whose forward made it ("model.layers.3.mlp"), if any
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,15 @@ class Trace:
             key = format_frame(b.site[0])
             by_site[key] = by_site.get(key, 0) + b.size
         return sorted(by_site.items(), key=lambda kv: -kv[1])[:top]
+
+    def modules_at(self, index: int, top: int = 5) -> list[tuple[str, int]]:
+        """Bytes alive at ``index`` grouped by the module whose forward allocated them."""
+        by_module: dict[str, int] = {}
+        for serial in self.alive_at(index):
+            b = self.blocks[serial]
+            if b.module:
+                by_module[b.module] = by_module.get(b.module, 0) + b.size
+        return sorted(by_module.items(), key=lambda kv: -kv[1])[:top]
 
     def phases(self) -> dict[str, int]:
         """Bytes allocated during the cell per phase (``forward``, ``backward``, ``optimizer``, ``cell``)."""

@@ -32,6 +32,7 @@ class Scan:
 
     owner: dict[int, tuple[str, str]] = field(default_factory=dict)
     holders: dict[int, str] = field(default_factory=dict)  # id(storage) -> variable name holding it
+    module_names: dict[int, str] = field(default_factory=dict)  # id(module) -> "model.layers.3.mlp"
 
     def category(self, key: int) -> tuple[str, str]:
         return self.owner.get(key, ("other", "unattributed"))
@@ -95,7 +96,9 @@ class _Walker:
         buffers: list[tuple[str, Any]] = []
         for name, m in self.modules:
             # straight from each submodule's dicts: much cheaper than parameters()/buffers() generators
-            for sub in (m.modules() if m._modules else (m,)):
+            subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
+            for subname, sub in subs:
+                self.scan.module_names.setdefault(id(sub), subname)
                 params.extend((name, p) for p in sub._parameters.values() if p is not None)
                 buffers.extend((name, b) for b in sub._buffers.values() if b is not None)
         for name, opt in self.optimizers:

@@ -160,10 +160,11 @@ class Measurement:
             return cuda.device_stats(self.device)
         return None
 
-    def _rows(self, scan: Scan, allocs: Mapping[int, tuple[int, int, Any]]) -> dict[tuple[str, str], int]:
+    def _rows(self, scan: Scan, allocs: Mapping[int, tuple[Any, ...]]) -> dict[tuple[str, str], int]:
         rows: dict[tuple[str, str], int] = {}
         for key, entry in self.registry.entries(self.device):
-            cat = _category(scan, key, allocs.get(entry.serial))
+            alloc = allocs.get(entry.serial)
+            cat = _category(scan, key, alloc[1] if alloc is not None else None)
             rows[cat] = rows.get(cat, 0) + entry.size
         return rows
 
@@ -184,10 +185,12 @@ class Measurement:
                 initial.append(serial)
             else:  # alive throughout: a constant, summed
                 base[cat] = base.get(cat, 0) + size
-        for serial, (size, phase, site) in tracker.allocs.items():
+        names = {**self._scan_before.module_names, **scan_after.module_names}
+        for serial, (size, phase, site, module) in tracker.allocs.items():
             key = alive.get(serial)
-            cat = _category(scan_after, key, (size, phase, site)) if key is not None else PHASE_CATEGORY[phase]
-            blocks[serial] = Block(serial, size, cat[0], cat[1], site=site, phase=PHASE_NAMES[phase])
+            cat = _category(scan_after, key, phase) if key is not None else PHASE_CATEGORY[phase]
+            blocks[serial] = Block(serial, size, cat[0], cat[1], site=site, phase=PHASE_NAMES[phase],
+                                   module=names.get(module, "") if module else "")
         return Trace(self.device, blocks, tuple(initial), tracker.events, tracker.peak_index, tracker.truncated,
                      base=tuple((c, lab, n) for (c, lab), n in base.items()))
 
@@ -264,12 +267,12 @@ def release_traceback(tb: TracebackType) -> None:
         t = t.tb_next
 
 
-def _category(scan: Scan, key: int, alloc: tuple[int, int, Any] | None) -> tuple[str, str]:
+def _category(scan: Scan, key: int, phase: int | None) -> tuple[str, str]:
     owner = scan.owner.get(key)
     if owner is not None:
         return owner
-    if alloc is not None:
-        return PHASE_CATEGORY[alloc[1]]
+    if phase is not None:
+        return PHASE_CATEGORY[phase]
     return ("other", "unattributed")
 
 

@@ -60,10 +60,11 @@ class Tracker(TorchDispatchMode):
         self.peak_index = 0
         self.events = array("q")
         self.truncated = False
-        self.allocs: dict[int, tuple[int, int, tuple[tuple[str, int, str], ...]]] = {}  # serial -> (size, phase, site)
+        # serial -> (size, phase, site, id of the innermost module whose forward made it, or 0)
+        self.allocs: dict[int, tuple[int, int, tuple[tuple[str, int, str], ...], int]] = {}
         self.oom: dict[str, Any] | None = None
         self._optimizer_depth = 0
-        self._module_depth = 0
+        self._modules: list[int] = []  # ids of the modules whose forward is running, innermost last
         self._aliasing: dict[Any, bool] = {}
         self._hooks: list[Any] = []
         self._lookup = registry.get
@@ -100,18 +101,19 @@ class Tracker(TorchDispatchMode):
     def _opt_post(self, *_: Any) -> None:
         self._optimizer_depth = max(self._optimizer_depth - 1, 0)
 
-    def _mod_pre(self, *_: Any) -> None:
-        self._module_depth += 1
+    def _mod_pre(self, module: Any, *_: Any) -> None:
+        self._modules.append(id(module))
 
-    def _mod_post(self, *_: Any) -> None:
-        self._module_depth = max(self._module_depth - 1, 0)
+    def _mod_post(self, module: Any, *_: Any) -> None:
+        if self._modules:
+            self._modules.pop()
 
     def phase(self) -> int:
         if self._optimizer_depth:
             return OPTIMIZER
         if torch._C._current_autograd_node() is not None:
             return BACKWARD
-        if self._module_depth:
+        if self._modules:
             return FORWARD
         return CELL
 
@@ -136,7 +138,7 @@ class Tracker(TorchDispatchMode):
         else:
             self.truncated = True
         site = user_frames(sys._getframe(3)) if self.record_sites else ()
-        self.allocs[entry.serial] = (size, self.phase(), site)
+        self.allocs[entry.serial] = (size, self.phase(), site, self._modules[-1] if self._modules else 0)
         if self.current > self.peak:
             self.peak = self.current
             self.peak_index = len(self.events)

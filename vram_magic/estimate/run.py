@@ -225,6 +225,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     marks: dict[str, int] = {}
     host_scalars: set[int] = set()
     n_micro = 1 if opts.inference else min(opts.accumulate, 2)
+    lazy = any(isinstance(p, nn.parameter.UninitializedParameter) for p in params)
     last_flops: list[int] = []
     problem = None
     amp = torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else contextlib.nullcontext()
@@ -243,6 +244,9 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                         marks["forward_end"] = len(tracer.events)
                     del out
                     continue
+                if step == 0 and opts.steps > 1 and not lazy:
+                    _first_step(optimizer, trainable, tracer, claim, host_scalars)
+                    continue
                 for micro in range(n_micro):
                     out = loss = None  # the previous micro-batch's output lives until this one replaces it
                     tracer.stage = FORWARD
@@ -260,15 +264,12 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                     for p in trainable:
                         claim(p.grad, ("gradients", "gradients"))
                 assert optimizer is not None
+                for p in trainable:  # state stood in for a parameter this step leaves without a gradient
+                    if p.grad is None and p in optimizer.state:
+                        del optimizer.state[p]
                 tracer.stage = OPTIMIZER
                 optimizer.step()
-                for state in optimizer.state.values():
-                    for key, v in state.items():
-                        if isinstance(v, torch.Tensor):
-                            scalar = v.dim() == 0
-                            s = claim(v, ("optimizer_state", "step counters" if scalar else str(key)))
-                            if scalar and s is not None:
-                                host_scalars.add(s)
+                _claim_state(optimizer, claim, host_scalars)
                 if last:
                     marks["step_end"] = len(tracer.events)
                 tracer.stage = ZERO_GRAD
@@ -291,8 +292,8 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     sizes.update(tracer.late)
     made = tracer.made
     module: dict[int, str] = {}
-    for serial, (size, _phase, _site) in tracer.allocs.items():
-        sizes[serial] = size
+    for serial, record in tracer.allocs.items():  # (size, phase, site, ...) as the engine records it
+        sizes[serial] = record[0]
         stage, mod, recompute = made.get(serial, (SETUP, "", False))
         module[serial] = mod
         if serial in owner:
@@ -339,6 +340,33 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
         state_bytes=state_bytes, unit_param_bytes=unit_bytes, wall=time.perf_counter() - t0,
     )
     return trace
+
+
+def _claim_state(optimizer: torch.optim.Optimizer, claim: Callable[..., int | None], host_scalars: set[int]) -> None:
+    for state in optimizer.state.values():
+        for key, v in state.items():
+            if isinstance(v, torch.Tensor):
+                scalar = v.dim() == 0
+                s = claim(v, ("optimizer_state", "step counters" if scalar else str(key)))
+                if scalar and s is not None:
+                    host_scalars.add(s)
+
+
+def _first_step(optimizer: Any, trainable: list[nn.Parameter], tracer: StepTracer,
+                claim: Callable[..., int | None], host_scalars: set[int]) -> None:
+    """The first step only has to leave the optimizer's state behind; its forward and backward are the same
+    ops as the second step's (no tensor of theirs outlives the step), so stand-in gradients replace them:
+    half the ops of a big model's estimate. A parameter the second step leaves without a gradient loses the
+    state stood in for it before that step's update."""
+    tracer.stage = BACKWARD
+    for p in trainable:
+        p.grad = torch.empty_like(p)
+        claim(p.grad, ("gradients", "gradients"))
+    tracer.stage = OPTIMIZER
+    optimizer.step()
+    _claim_state(optimizer, claim, host_scalars)
+    tracer.stage = ZERO_GRAD
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

@@ -75,6 +75,10 @@ def notes_html(report: CellReport) -> str:
     if sites:
         parts.append("<div>at the peak: " + ", ".join(
             f"<code>{html.escape(s)}</code> {format_bytes(n)}" for s, n in sites) + "</div>")
+    modules = report.peak_modules(3)
+    if modules:
+        parts.append("<div>by module: " + ", ".join(
+            f"<code>{html.escape(m)}</code> {format_bytes(n)}" for m, n in modules) + "</div>")
     if report.advice:
         parts.append('<ul class="vram-advice" style="margin:2px 0">' + "".join(
             f"<li>{html.escape(str(a))}</li>" for a in report.advice) + "</ul>")

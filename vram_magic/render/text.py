@@ -59,6 +59,9 @@ def report_text(report: CellReport) -> str:
         sites = report.peak_sites(3)
         if sites:
             lines.append("  at the peak: " + ", ".join(f"{site} {format_bytes(n)}" for site, n in sites))
+        modules = report.peak_modules(3)
+        if modules:
+            lines.append("  by module: " + ", ".join(f"{m} {format_bytes(n)}" for m, n in modules))
     if report.oom is not None:
         lines.append(oom_text(report))
     if report.error and report.oom is None:
