@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..units import format_bytes
 from .frames import user_frames
-from .registry import Entry, LiveStorages, device_key, storage_size
+from .registry import Entry, LiveStorages, storage_size
 
 # Allocation phases, stored per allocation.
 CELL, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
