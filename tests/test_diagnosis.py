@@ -91,6 +91,9 @@ def test_advice_gradients_alive_during_inference(shell):
     kinds = {a.kind: a for a in shell.user_ns["r"].advice}
     assert kinds["gradients"].saving == P
     assert "zero_grad(set_to_none=True)" in kinds["gradients"].detail
+    # a forward with grad enabled is a training step in progress: no such advice
+    run_ok(shell, "%%vram -q -o r\nloss = model(x).sum()")
+    assert "gradients" not in {a.kind for a in shell.user_ns["r"].advice}
 
 
 def test_advice_output_cache(shell):

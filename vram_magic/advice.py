@@ -25,7 +25,7 @@ def _leaks(report: CellReport) -> list[Advice]:
     out = []
     phases = report.trace.phases() if report.trace is not None else {}
     did_backward = "backward" in phases
-    inference = "forward" in phases and not did_backward and "optimizer" not in phases
+    inference = "inference" in phases and not did_backward and "optimizer" not in phases
     for label, n in after.details("activations").items():
         if label.startswith("graph held by "):
             name = label[len("graph held by "):]

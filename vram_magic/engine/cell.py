@@ -20,13 +20,14 @@ from . import cuda
 from .attribution import Scan, scan_namespace
 from .frames import is_user_code
 from .registry import LiveStorages
-from .tracker import BACKWARD, CELL, FORWARD, OPTIMIZER, PHASE_NAMES, Tracker
+from .tracker import BACKWARD, CELL, FORWARD, INFERENCE, OPTIMIZER, PHASE_NAMES, Tracker
 
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # What an allocation freed before the cell ended counts as, by the phase it was made in.
 PHASE_CATEGORY = {
     FORWARD: ("activations", "forward intermediates"),
+    INFERENCE: ("activations", "forward intermediates (no grad)"),
     # gradients of activations flowing through backward: they scale with the batch like activations do
     BACKWARD: ("activations", "activation gradients (backward)"),
     OPTIMIZER: ("other", "optimizer temporaries"),

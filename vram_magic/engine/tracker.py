@@ -20,8 +20,8 @@ from .frames import user_frames
 from .registry import Entry, LiveStorages, storage_size
 
 # Allocation phases, stored per allocation.
-CELL, FORWARD, BACKWARD, OPTIMIZER = 0, 1, 2, 3
-PHASE_NAMES = ("cell", "forward", "backward", "optimizer")
+CELL, FORWARD, BACKWARD, OPTIMIZER, INFERENCE = 0, 1, 2, 3, 4
+PHASE_NAMES = ("cell", "forward", "backward", "optimizer", "inference")  # inference: forward without grad
 
 
 class BudgetExceeded(Exception):
@@ -114,7 +114,7 @@ class Tracker(TorchDispatchMode):
         if torch._C._current_autograd_node() is not None:
             return BACKWARD
         if self._modules:
-            return FORWARD
+            return FORWARD if torch.is_grad_enabled() else INFERENCE
         return CELL
 
     # --- events ----------------------------------------------------------------------------------
