@@ -68,6 +68,7 @@ class Tracker(TorchDispatchMode):
         self._aliasing: dict[Any, bool] = {}
         self._hooks: list[Any] = []
         self._lookup = registry.get
+        self._sites: dict[tuple[tuple[str, int, str], ...], tuple[tuple[str, int, str], ...]] = {}
         self._cpu = device == "cpu"
         self._torch_device = torch.device(device)
 
@@ -137,7 +138,10 @@ class Tracker(TorchDispatchMode):
             self.events.append(entry.serial)
         else:
             self.truncated = True
-        site = user_frames(sys._getframe(3)) if self.record_sites else ()
+        site: tuple[tuple[str, int, str], ...] = ()
+        if self.record_sites:
+            site = user_frames(sys._getframe(3))
+            site = self._sites.setdefault(site, site)  # one tuple per distinct site, however many allocations
         self.allocs[entry.serial] = (size, self.phase(), site, self._modules[-1] if self._modules else 0)
         if self.current > self.peak:
             self.peak = self.current
