@@ -109,6 +109,16 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
 
         spikes = conv_scratch(trace.convs)
         spike_label = "kernel scratch (oneDNN convolutions measured per layer, GEMM operand copies)"
+    if trace.rnns:  # oneDNN LSTM/GRU layers: the real workspace (a proxy for cuDNN's reserve on CUDA)
+        from .scratch import rnn_sizes
+
+        workspaces, rnn_spikes = rnn_sizes(trace.rnns)
+        for s, n in workspaces.items():
+            sizes[s] = cm.round(n) if cuda else n
+        if not cuda:
+            for i, n in rnn_spikes.items():
+                spikes[i] = spikes.get(i, 0) + n
+            spike_label = spike_label or "kernel scratch (oneDNN recurrent layers, measured)"
     if not cuda:
         for i, n in trace.copies:
             spikes[i] = spikes.get(i, 0) + n

@@ -43,6 +43,7 @@ class StepTrace:
     flops: dict[str, int]
     convs: list[tuple[int, Any, Any]]
     copies: list[tuple[int, int]]
+    rnns: list[tuple[int, Any, Any, int]]
     host_scalars: set[int]
     problem: str | None = None
     fused: bool = False
@@ -333,7 +334,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     trace = StepTrace(
         sizes=sizes, owner=owner, module=module, events=tracer.events,
         initial=tuple(tracer.initial) + tuple(tracer.late), marks=marks, flops=flops,
-        convs=tracer.convs, copies=tracer.copies,
+        convs=tracer.convs, copies=tracer.copies, rnns=tracer.rnns,
         host_scalars=host_scalars, problem=problem, fused=bool(optimizer is not None and is_fused(optimizer)),
         uses_matmul=tracer.matmul, batch=batch, seq=seq, micro_batch=micro_batch,
         param_count=sum(p.numel() for p in params), param_bytes=param_bytes, grad_bytes=grad_bytes,

@@ -91,7 +91,6 @@ def _real(spec: Any, batch: int | None) -> Any:
 
 
 def _probe(func: str, spec: Any, batch: int) -> int:
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     op = torch.ops.aten.convolution_backward.default if "backward" in func else torch.ops.aten.convolution.default
@@ -107,6 +106,12 @@ def _probe(func: str, spec: Any, batch: int) -> int:
             with torch.profiler.record_function("vram_magic_probe"):
                 result = op(*args)
         del result
+    return _extra(prof)
+
+
+def _extra(prof: Any) -> int:
+    from torch._C._profiler import _EventType
+
     allocs: list[tuple[int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]
     while stack:
@@ -120,3 +125,83 @@ def _probe(func: str, spec: Any, batch: int) -> int:
         running += n
         peak = max(peak, running)
     return peak - running  # beyond what the op returned (still alive at the end of the range)
+
+
+# --- oneDNN recurrent layers ----------------------------------------------------------------------------
+# Dimension holding the batch in each tensor argument of mkldnn_rnn_layer and of its backward.
+_RNN_BATCH_DIMS = {0: 1, 5: 0, 6: 0}
+_RNN_BACKWARD_BATCH_DIMS = {0: 1, 5: 0, 6: 0, 7: 1, 8: 0, 9: 0, 10: 1, 11: 0, 12: 0}
+
+
+def rnn_sizes(rnns: list[tuple[int, Any, Any, int]]) -> tuple[dict[int, int], dict[int, int]]:
+    """``({workspace serial: bytes}, {event index: scratch bytes})`` for the oneDNN LSTM/GRU layers of a
+    trace: fake kernels give the layer an empty workspace (the real one is kept for backward), and the
+    kernels' scratch is invisible at dispatch level; both are measured on a real layer."""
+    workspaces: dict[int, int] = {}
+    spikes: dict[int, int] = {}
+    forward_specs: dict[Any, Any] = {}
+    for index, func, spec, serial in rnns:
+        key = _freeze(spec)
+        backward = "backward" in str(func)
+        try:
+            ws, extra = _rnn_probe(backward, key)
+        except Exception:  # cannot replay this layer for real: leave it as traced
+            continue
+        if not backward:
+            forward_specs[key] = ws
+            if serial:
+                workspaces[serial] = ws
+        if extra:
+            spikes[index] = spikes.get(index, 0) + extra
+    return workspaces, spikes
+
+
+def _scaled(spec: Any, dims: dict[int, int], batch: int) -> list[Any]:
+    out = []
+    for i, s in enumerate(spec):
+        if i in dims and _is_tensor(s):
+            shape = list(s[1])
+            shape[dims[i]] = batch
+            s = ("T", tuple(shape), s[2], s[3])
+        out.append(_real(s, None) if _is_tensor(s) or s is None else (list(s) if isinstance(s, tuple) else s))
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _rnn_probe(backward: bool, spec: Any) -> tuple[int, int]:
+    """``(workspace bytes, scratch bytes)`` of one layer at the step's batch (extrapolated when big)."""
+    batch = int(spec[0][1][1])
+    per_sample = max(1, _nbytes(spec[0]) // max(batch, 1))
+    largest = max(1, PROBE_BUDGET // (8 * per_sample))
+    if batch <= largest:
+        return _rnn_once(backward, spec, batch)
+    b2 = max(2, largest)
+    b1 = b2 // 2
+    (w1, e1), (w2, e2) = _rnn_once(backward, spec, b1), _rnn_once(backward, spec, b2)
+    scale = (batch - b2) / (b2 - b1)
+    return int(w2 + (w2 - w1) * scale), max(0, int(e2 + (e2 - e1) * scale))
+
+
+def _rnn_once(backward: bool, spec: Any, batch: int) -> tuple[int, int]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fwd = torch.ops.aten.mkldnn_rnn_layer.default
+    if backward:
+        # the forward that made this layer's workspace: same input, weights, states and options
+        fspec = (spec[0], spec[1], spec[2], spec[3], spec[4], spec[5], spec[6], spec[13], spec[20], spec[14],
+                 spec[15], spec[16], spec[17], spec[19], spec[21], spec[18])
+        fargs = _scaled(fspec, _RNN_BATCH_DIMS, batch)
+        args = _scaled(spec, _RNN_BACKWARD_BATCH_DIMS, batch)
+        outs = fwd(*fargs)  # (not under no_grad: the kernel then skips its workspace)
+        args[22] = outs[3]
+        op = torch.ops.aten.mkldnn_rnn_layer_backward.default
+    else:
+        args = _scaled(spec, _RNN_BATCH_DIMS, batch)
+        op = fwd
+    op(*args)  # no tensor here requires grad, so no graph is recorded
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.profiler.record_function("vram_magic_probe"):
+            result = op(*args)
+    workspace = 0 if backward else int(result[3].untyped_storage().nbytes())
+    del result
+    return workspace, _extra(prof)

@@ -27,6 +27,8 @@ _CONV = torch.ops.aten.convolution.default
 _CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_dot_product_flash_attention_for_cpu",
                        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"})
+_RNN = torch.ops.aten.mkldnn_rnn_layer.default
+_RNN_BACKWARD = torch.ops.aten.mkldnn_rnn_layer_backward.default
 _MM_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
 FAKE_PROBLEMS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
@@ -54,6 +56,7 @@ class StepTracer(Tracker):
         self.problem: tuple[str, str, str] | None = None  # (op, module, exception name)
         self.item_value = 1.0
         self.failed_in: tuple[str, str] | None = None
+        self.rnns: list[tuple[int, Any, Any, int]] = []  # (events so far, op, argument specs, workspace serial)
         self.copies: list[tuple[int, int]] = []  # (events so far, bytes) of operand copies inside CPU GEMMs
         self.matmul = False  # cuBLAS would be used (and allocate its workspace) on CUDA
 
@@ -134,6 +137,12 @@ class StepTracer(Tracker):
             self.matmul = True
         if func is _CONV or func is _CONV_BACKWARD:
             self.convs.append((len(self.events), func, tensor_spec(args)))
+        elif func is _RNN or func is _RNN_BACKWARD:
+            workspace = 0
+            if func is _RNN:  # fake kernels return an empty workspace; the real one is sized by probing
+                entry = self.registry.get(id(out[3].untyped_storage()))
+                workspace = entry.serial if entry is not None else 0
+            self.rnns.append((len(self.events), func, tensor_spec(args), workspace))
         elif func in _MM_OPS and isinstance(out, torch.Tensor):
             extra = gemm_copies(func, args, out)
             if extra:

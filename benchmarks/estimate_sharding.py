@@ -1,0 +1,115 @@
+"""Per-rank memory of FSDP2 (``torch.distributed.fsdp.fully_shard``): ``vram_magic.estimate(fsdp=True,
+world=2, device="cpu")`` against a real two-process run with the gloo backend on the CPU, whose per-rank
+peak comes from the profiler's memory timeline. Also prints ZeRO-1/2 per-rank estimates for the same model
+(no real counterpart here). Run::
+
+    .venv/bin/python benchmarks/estimate_sharding.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+WORLD = 2
+BATCH = 32
+
+
+class Stack(nn.Module):
+    def __init__(self, d: int = 1024, layers: int = 8) -> None:
+        super().__init__()
+        self.inp = nn.Linear(256, d)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(layers))
+        self.head = nn.Linear(d, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def _peak(prof: torch.profiler.profile) -> int:
+    from torch._C._profiler import _EventType
+
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+            events.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].total_allocated))
+        stack.extend(node.children)
+    events.sort()
+    return max(t for _, _, t in events) - (events[0][2] - events[0][1])
+
+
+def _rank(rank: int, init: str, path: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    torch.manual_seed(rank)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.device("meta"):
+            model = Stack()
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+        x = torch.randn(BATCH, 256)
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            out = model(x)
+            loss = out.sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out, loss
+    with open(f"{path}.{rank}", "w") as f:
+        f.write(str(_peak(prof)))
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import vram_magic
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/rendezvous"
+        mp.spawn(_rank, args=(init, f"{tmp}/peak"), nprocs=WORLD, join=True)
+        real = [int(open(f"{tmp}/peak.{r}").read()) for r in range(WORLD)]
+    x = torch.randn(BATCH, 256)
+    base = vram_magic.estimate(Stack, x, device="cpu")
+    print(f"model: {base.parameters / 1e6:.1f} M parameters (fp32), 8 FSDP units + root, AdamW, 2 steps, batch {BATCH} "
+          f"per rank, world {WORLD}, gloo on CPU")
+    print(f"{'configuration':<28}{'per-rank peak':>15}{'real (profiler)':>18}{'error':>9}")
+    print(f"{'unsharded (1 process)':<28}{base.peak.total / 2**20:>11.1f} MiB")
+    est = vram_magic.estimate(Stack, x, device="cpu", fsdp=True, world=WORLD)
+    worst = 0.0
+    for r, got in enumerate(real):
+        err = 100.0 * (est.peak.total - got) / got
+        worst = max(worst, abs(err))
+        print(f"{f'FSDP2 × {WORLD}, rank {r}':<28}{est.peak.total / 2**20:>11.1f} MiB{got / 2**20:>14.1f} MiB"
+              f"{err:>+8.2f}%")
+    for stage in (1, 2):
+        e = vram_magic.estimate(Stack, x, device="cpu", zero=stage, world=WORLD)
+        print(f"{f'ZeRO-{stage} × {WORLD} (estimate only)':<28}{e.peak.total / 2**20:>11.1f} MiB")
+    print("estimate's split at the FSDP peak: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in
+                                                          est.peak.as_dict().items()))
+    print("modelled collective buffers: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in est.modelled))
+    print(f"worst per-rank error: {worst:.2f} %")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
