@@ -276,6 +276,26 @@ def test_max_batch_and_what_if():
     assert frame.loc["accumulate 2 micro-batches", "steps ×"] == 2
 
 
+def test_max_sequence_length():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(1000, 64)
+            self.mix = nn.Linear(64, 64)
+
+        def forward(self, t):
+            h = self.emb(t)
+            w = torch.softmax(h @ h.transpose(1, 2), -1)  # seq x seq: memory grows with the square
+            return self.mix(w @ h)
+
+    est = vram_magic.estimate(Attn(), torch.zeros(2, 128, dtype=torch.long), device="cpu", budget="64MiB",
+                              max_seq=True)
+    assert est.max_seq is not None and est.max_seq > 128
+    longer = vram_magic.estimate(Attn(), torch.zeros(2, int(est.max_seq * 1.05) + 1, dtype=torch.long),
+                                 device="cpu", budget="64MiB")
+    assert not longer.fits
+
+
 def test_the_package_stays_callable_after_import():
     import vram_magic.estimate as pkg
 

@@ -40,6 +40,7 @@ def estimate(
     cuda: CudaModel | None = None,
     what_if: bool = False,
     max_batch: bool = False,
+    max_seq: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> Estimate:
     """Estimate the memory of a training (or inference) step of ``model`` on ``inputs``.
@@ -54,14 +55,15 @@ def estimate(
     give per-rank memory; ``offload`` keeps optimizer state and its step on the host.
     ``device="cuda"`` models a GPU (default), ``"cpu"`` a CPU run. ``gpu`` (a name from :data:`GPUS`) or
     ``budget`` (``"24GiB"``) sets the capacity for the fit verdict. ``what_if`` adds the strategy table;
-    ``max_batch`` searches the largest batch that fits (needs ``gpu`` or ``budget``).
+    ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1
+    of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial.
     """
     opts = make_options(optimizer=optimizer, inference=inference, dtype=dtype, amp=amp,
                         checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp, world=world,
                         offload=offload, device=device, steps=steps)
     target = make_target(gpu, budget, cuda)
-    if max_batch and target.capacity is None:
-        raise ValueError("max_batch needs a capacity: give gpu='A100-80GB' (or another known GPU) or "
+    if (max_batch or max_seq) and target.capacity is None:
+        raise ValueError("max_batch/max_seq need a capacity: give gpu='A100-80GB' (or another known GPU) or "
                          "budget='24GiB'")
     from .fake import check_inputs
 
@@ -71,6 +73,8 @@ def estimate(
     est = _with(est, rerun=(request, target))
     if max_batch:
         est = _with(est, max_batch=find_max_batch(est, progress=progress))
+    if max_seq:
+        est = _with(est, max_seq=find_max_batch(est, dim=1, progress=progress))
     if what_if:
         from .strategies import what_if as _what_if
 

@@ -56,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget")
     p.add_argument("--device", default="cuda")
     p.add_argument("--max-batch", action="store_true")
+    p.add_argument("--max-seq", action="store_true")
     p.add_argument("--what-if", action="store_true")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the report")
     return p
@@ -94,7 +95,8 @@ def main(argv: list[str]) -> int:
         est = estimate(model, inputs, optimizer=optimizer, inference=args.inference, dtype=args.dtype,
                        amp=args.amp, checkpointing=args.checkpointing, accumulate=args.accumulate, zero=args.zero,
                        fsdp=args.fsdp, world=args.world, offload=args.offload, gpu=args.gpu, budget=args.budget,
-                       device=args.device, what_if=args.what_if, max_batch=args.max_batch, progress=progress)
+                       device=args.device, what_if=args.what_if, max_batch=args.max_batch, max_seq=args.max_seq,
+                       progress=progress)
     except (ValueError, TypeError, EstimateError) as err:
         print(f"vram_magic estimate: {err}", file=sys.stderr)
         return 2
@@ -102,7 +104,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps({
             "peak": est.peak.as_dict(), "peak_total": est.peak.total, "needed": est.needed,
             "after_forward": est.after_forward.as_dict(), "capacity": est.capacity, "fits": est.fits,
-            "max_batch": est.max_batch, "flops": dict(est.flops), "partial": est.partial, "problem": est.problem,
+            "max_batch": est.max_batch, "max_seq": est.max_seq,
+            "flops": dict(est.flops), "partial": est.partial, "problem": est.problem,
             "what_if": [{"strategy": s.name, "peak": s.peak, "needed": s.needed, "compute": s.compute}
                         for s in est.strategies],
         }, indent=2))

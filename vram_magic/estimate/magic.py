@@ -34,6 +34,7 @@ from .result import Estimate
 @argument("--budget", metavar="SIZE", help="device memory to fit into, e.g. 24GiB")
 @argument("--device", default="cuda", help="cuda (model a GPU, the default) or cpu (model a CPU run)")
 @argument("--max-batch", action="store_true", help="search the largest batch that fits --gpu/--budget")
+@argument("--max-seq", action="store_true", help="search the longest sequence (input dimension 1) that fits")
 @argument("--what-if", action="store_true", help="add the what-if table of strategies")
 @argument("-o", "--output", metavar="NAME", help="store the estimate in the variable NAME")
 @argument("-q", "--quiet", action="store_true", help="do not display the estimate")
@@ -108,7 +109,7 @@ def build_kwargs(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any
         optimizer=optimizer, inference=args.inference, dtype=args.dtype, amp=args.amp,
         checkpointing=args.checkpointing, accumulate=args.accumulate, zero=args.zero, fsdp=args.fsdp,
         world=args.world, offload=args.offload, gpu=args.gpu, budget=args.budget, device=args.device,
-        what_if=args.what_if, max_batch=args.max_batch,
+        what_if=args.what_if, max_batch=args.max_batch, max_seq=args.max_seq,
     )
     if args.loss:
         kwargs["loss_fn"] = _eval(args.loss, ns, "--loss")
@@ -126,7 +127,7 @@ def run_estimate_magic(magics: Any, line: str) -> Estimate | None:
     if args.batch is not None and args.input:
         kwargs["batch"] = args.batch
     batch = kwargs.pop("batch", None)
-    if not args.quiet and args.max_batch:
+    if not args.quiet and (args.max_batch or args.max_seq):
         kwargs["progress"] = lambda msg: print(f"max-batch: trying {msg}", file=sys.stdout, flush=True)
     try:
         est = estimate(model, inputs, **kwargs) if batch is None else _estimate_batch(model, inputs, batch, kwargs)
@@ -153,17 +154,19 @@ def _estimate_batch(model: Any, inputs: Any, batch: int, kwargs: dict[str, Any])
 
     from . import estimate
     from .core import evaluate
-    from .options import make_options
 
-    first = estimate(model, inputs, **{**kwargs, "what_if": False, "max_batch": False})
+    first = estimate(model, inputs, **{**kwargs, "what_if": False, "max_batch": False, "max_seq": False})
     request, target = first.rerun
     opts = first.options.with_(batch=batch)
     est = replace(evaluate(request, opts, target), rerun=(request, target))
-    del make_options
     if kwargs.get("max_batch"):
         from . import find_max_batch
 
         est = replace(est, max_batch=find_max_batch(est, progress=kwargs.get("progress")))
+    if kwargs.get("max_seq"):
+        from . import find_max_batch
+
+        est = replace(est, max_seq=find_max_batch(est, dim=1, progress=kwargs.get("progress")))
     if kwargs.get("what_if"):
         from .strategies import what_if
 

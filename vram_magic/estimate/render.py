@@ -54,6 +54,8 @@ def estimate_text(est: Estimate) -> str:
         lines.append(f"  compute per optimizer step: {_flops(est.total_flops)} (forward {fwd}, backward {bwd})")
     if est.max_batch is not None:
         lines.append(f"  largest batch that fits: {est.max_batch}")
+    if est.max_seq is not None:
+        lines.append(f"  longest sequence that fits: {est.max_seq}")
     if est.strategies:
         lines.append(strategies_text(est.strategies))
     for note in est.notes:
@@ -91,6 +93,8 @@ def estimate_html(est: Estimate) -> str:
         parts.append(f'<div style="font-size:85%">compute per optimizer step: {_flops(est.total_flops)}</div>')
     if est.max_batch is not None:
         parts.append(f"<div><b>largest batch that fits: {est.max_batch}</b></div>")
+    if est.max_seq is not None:
+        parts.append(f"<div><b>longest sequence that fits: {est.max_seq}</b></div>")
     if est.strategies:
         parts.append(strategies_html(est.strategies))
     for note in est.notes:

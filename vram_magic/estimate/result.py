@@ -62,6 +62,7 @@ class Estimate:
     wall_time: float = 0.0
     strategies: tuple[Strategy, ...] = ()
     max_batch: int | None = None
+    max_seq: int | None = None
     options: Options | None = field(default=None, repr=False, compare=False)
     rerun: Any = field(default=None, repr=False, compare=False)  # (request, target) for what-ifs
 
