@@ -1,9 +1,10 @@
 """Per-rank memory of FSDP2 (``torch.distributed.fsdp.fully_shard``): ``vram_magic.estimate(fsdp=True,
 world=2, device="cpu")`` against a real two-process run with the gloo backend on the CPU, whose per-rank
 peak comes from the profiler's memory timeline. Also prints ZeRO-1/2 per-rank estimates for the same model
-(no real counterpart here). Run::
+(no real counterpart here). The real run is repeated (default 3 times): when gloo's reduce-scatter
+finishes relative to the next unit's backward moves the real peak by one unit's gradients. Run::
 
-    .venv/bin/python benchmarks/estimate_sharding.py
+    .venv/bin/python benchmarks/estimate_sharding.py [REPEATS]
 """
 
 from __future__ import annotations
@@ -84,10 +85,13 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import vram_magic
 
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{tmp}/rendezvous"
-        mp.spawn(_rank, args=(init, f"{tmp}/peak"), nprocs=WORLD, join=True)
-        real = [int(open(f"{tmp}/peak.{r}").read()) for r in range(WORLD)]
+    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    real: list[int] = []  # per rank and repeat: the gloo collectives' timing moves the peak by a buffer
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            init = f"file://{tmp}/rendezvous"
+            mp.spawn(_rank, args=(init, f"{tmp}/peak"), nprocs=WORLD, join=True)
+            real += [int(open(f"{tmp}/peak.{r}").read()) for r in range(WORLD)]
     x = torch.randn(BATCH, 256)
     base = vram_magic.estimate(Stack, x, device="cpu")
     print(f"model: {base.parameters / 1e6:.1f} M parameters (fp32), 8 FSDP units + root, AdamW, 2 steps, batch {BATCH} "
@@ -96,11 +100,11 @@ def main() -> int:
     print(f"{'unsharded (1 process)':<28}{base.peak.total / 2**20:>11.1f} MiB")
     est = vram_magic.estimate(Stack, x, device="cpu", fsdp=True, world=WORLD)
     worst = 0.0
-    for r, got in enumerate(real):
+    for i, got in enumerate(real):
         err = 100.0 * (est.peak.total - got) / got
         worst = max(worst, abs(err))
-        print(f"{f'FSDP2 × {WORLD}, rank {r}':<28}{est.peak.total / 2**20:>11.1f} MiB{got / 2**20:>14.1f} MiB"
-              f"{err:>+8.2f}%")
+        label = f"FSDP2 × {WORLD}, run {i // WORLD + 1} rank {i % WORLD}"
+        print(f"{label:<28}{est.peak.total / 2**20:>11.1f} MiB{got / 2**20:>14.1f} MiB{err:>+8.2f}%")
     for stage in (1, 2):
         e = vram_magic.estimate(Stack, x, device="cpu", zero=stage, world=WORLD)
         print(f"{f'ZeRO-{stage} × {WORLD} (estimate only)':<28}{e.peak.total / 2**20:>11.1f} MiB")

@@ -41,16 +41,19 @@ def make_target(gpu: Any = None, budget: Any = None, cuda: CudaModel | None = No
     return Target(g, b, cuda or CudaModel())
 
 
-def replay(trace: StepTrace, sizes: dict[int, int], spikes: dict[int, int]) -> tuple[int, int, int]:
-    """``(peak index, peak bytes, scratch bytes in that peak)``; index = number of events applied."""
+def replay(trace: StepTrace, sizes: dict[int, int], spikes: dict[int, int],
+           window: tuple[int, int, int] = (0, -1, 0)) -> tuple[int, int, int]:
+    """``(peak index, peak bytes, scratch bytes in that peak)``; index = number of events applied.
+    ``window = (first, last, bytes)``: bytes alive from event index ``first`` to ``last`` (collective buffers)."""
     current = sum(sizes[s] for s in trace.initial)
     best, best_index, best_spike = current, 0, 0
+    lo, hi, extra = window
     for i, ev in enumerate(trace.events):
         if ev > 0:
             current += sizes[ev]
         else:
             current -= sizes[-ev]
-        spike = spikes.get(i + 1, 0)
+        spike = spikes.get(i + 1, 0) + (extra if lo <= i + 1 <= hi else 0)
         if current + spike > best:
             best, best_index, best_spike = current + spike, i + 1, spike
     return best_index, best, best_spike
@@ -124,8 +127,14 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
             spikes[i] = spikes.get(i, 0) + n
         if trace.copies and not spike_label:
             spike_label = "kernel scratch (GEMM operand copies)"
-    index, _, spike = replay(trace, sizes, spikes)
+    buffers = sharding.buffers(not opts.inference) if sharding is not None else {}
+    # FSDP/ZeRO gather and reduce during the forward and backward of a step; none is alive in the update
+    window = (trace.marks.get("step_start", 0), trace.marks.get("backward_end", len(trace.events)),
+              sum(buffers.values()))
+    index, _, spike = replay(trace, sizes, spikes, window)
     rows = rows_at(trace, sizes, index)
+    in_window = window[0] <= index <= window[1]
+    spike -= window[2] if in_window else 0
     if spike:
         rows[("other", spike_label)] = spike
         modelled[spike_label] = spike
@@ -135,8 +144,8 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
         ws = cm.workspace(hopper) * handles
         rows[("other", "cuBLAS workspaces (modelled)")] = ws
         modelled["cuBLAS workspaces"] = ws
-    if sharding is not None:
-        for label, n in sharding.buffers(not opts.inference).items():
+    if in_window:
+        for label, n in buffers.items():
             if n:
                 rows[("other", f"{label} (modelled)")] = n
                 modelled[label] = n

@@ -268,6 +268,8 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                 for p in trainable:  # state stood in for a parameter this step leaves without a gradient
                     if p.grad is None and p in optimizer.state:
                         del optimizer.state[p]
+                if last:
+                    marks["backward_end"] = len(tracer.events)
                 tracer.stage = OPTIMIZER
                 optimizer.step()
                 _claim_state(optimizer, claim, host_scalars)
