@@ -247,3 +247,14 @@ def test_measure_api_without_ipython():
     assert m.after.gradients == (256 * 256 + 256) * F32
     assert m.report.device == "cpu"
     assert "parameters" in str(m)
+
+
+def test_gradients_freed_in_the_same_cell_stay_gradients_at_the_peak(shell):
+    run_ok(shell, BUILD)
+    run_ok(shell, "%%vram -q -o r\nloss = model(x).sum()\nloss.backward()\nopt.step()\nopt.zero_grad(set_to_none=True)\n"
+                  "del loss")
+    r = shell.user_ns["r"]
+    # AdamW's step reads every gradient while they are all alive: at its peak they are gradients, not activations
+    assert r.peak.gradients == PARAMS
+    assert r.peak.details("gradients") == {"opt": PARAMS}
+    assert r.after.gradients == 0 and r.after.optimizer_state == 2 * PARAMS + ADAM_STEPS

@@ -33,6 +33,7 @@ class Scan:
     owner: dict[int, tuple[str, str]] = field(default_factory=dict)
     holders: dict[int, str] = field(default_factory=dict)  # id(storage) -> variable name holding it
     module_names: dict[int, str] = field(default_factory=dict)  # id(module) -> "model.layers.3.mlp"
+    optimizer_names: dict[int, str] = field(default_factory=dict)  # id(optimizer) -> "opt"
 
     def category(self, key: int) -> tuple[str, str]:
         return self.owner.get(key, ("other", "unattributed"))
@@ -84,38 +85,61 @@ class _Walker:
         except (AttributeError, RuntimeError, NotImplementedError):  # not a tensor, or sparse/nested
             return None
         key = id(storage)
-        self.registry.add(storage)
-        if key not in self.scan.owner:
-            self.scan.owner[key] = (category, label)
+        if self.registry.get(key) is None:
+            self.registry.add(storage)
+        owner = self.scan.owner
+        if key not in owner:
+            owner[key] = (category, label)
             if holder:
                 self.scan.holders[key] = holder
         return key
 
+    def _claim_all(self, tensors: Iterable[Any], category: str, label: str, holder: str) -> None:
+        """``claim`` for many tensors of one holder (the scan's hot loop: parameters of big models)."""
+        reg_get, reg_add = self.registry.get, self.registry.add
+        owner, holders = self.scan.owner, self.scan.holders
+        value = (category, label)
+        for t in tensors:
+            try:
+                storage = t.untyped_storage()
+            except (AttributeError, RuntimeError, NotImplementedError):
+                continue
+            key = id(storage)
+            if reg_get(key) is None:
+                reg_add(storage)
+            if key not in owner:
+                owner[key] = value
+                holders[key] = holder
+
     def assign(self) -> Scan:
-        params: list[tuple[str, Any]] = []
-        buffers: list[tuple[str, Any]] = []
+        names = self.scan.module_names
+        by_holder: list[tuple[str, list[Any], list[Any]]] = []  # (name, parameters, buffers)
         for name, m in self.modules:
+            params: list[Any] = []
+            buffers: list[Any] = []
             # straight from each submodule's dicts: much cheaper than parameters()/buffers() generators
             subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
             for subname, sub in subs:
-                self.scan.module_names.setdefault(id(sub), subname)
-                params.extend((name, p) for p in sub._parameters.values() if p is not None)
-                buffers.extend((name, b) for b in sub._buffers.values() if b is not None)
+                names.setdefault(id(sub), subname)
+                params.extend(sub._parameters.values())
+                buffers.extend(sub._buffers.values())
+            by_holder.append((name, params, buffers))
         for name, opt in self.optimizers:
-            for group in opt.param_groups:
-                params.extend((name, p) for p in group.get("params", ()))
-        for name, p in params:
-            self.claim(p, "parameters", name, name)
-        for name, p in params:
-            if p.grad is not None:
-                self.claim(p.grad, "gradients", name, name)
+            self.scan.optimizer_names.setdefault(id(opt), name)
+            params = [p for group in opt.param_groups for p in group.get("params", ())]
+            by_holder.append((name, params, []))
+        for name, params, _ in by_holder:
+            self._claim_all((p for p in params if p is not None), "parameters", name, name)
+        for name, params, _ in by_holder:
+            self._claim_all((p.grad for p in params if p is not None and p.grad is not None), "gradients", name,
+                            name)
         for name, opt in self.optimizers:
             for state in opt.state.values():
                 if isinstance(state, Mapping):
                     for v in state.values():
                         self.claim(v, "optimizer_state", name, name)
-        for name, b in buffers:
-            self.claim(b, "other", f"buffers of {name}", name)
+        for name, _, buffers in by_holder:
+            self._claim_all((b for b in buffers if b is not None), "other", f"buffers of {name}", name)
         for name, t in self.tensors:
             # a forward output (part of a graph) is an activation; a leaf (input, user data) is "other"
             self.claim(t, "activations" if t.grad_fn is not None else "other", name, name)

@@ -187,9 +187,16 @@ class Measurement:
             else:  # alive throughout: a constant, summed
                 base[cat] = base.get(cat, 0) + size
         names = {**self._scan_before.module_names, **scan_after.module_names}
+        optimizers = {**self._scan_before.optimizer_names, **scan_after.optimizer_names}
         for serial, (size, phase, site, module) in tracker.allocs.items():
             key = alive.get(serial)
-            cat = _category(scan_after, key, phase) if key is not None else PHASE_CATEGORY[phase]
+            if key is not None:
+                cat = _category(scan_after, key, phase)
+            elif serial in tracker.roles:  # freed in the cell, but the optimizer step saw what it was
+                role, owner = tracker.roles[serial]
+                cat = (role, optimizers.get(owner, "optimizer"))
+            else:
+                cat = PHASE_CATEGORY[phase]
             blocks[serial] = Block(serial, size, cat[0], cat[1], site=site, phase=PHASE_NAMES[phase],
                                    module=names.get(module, "") if module else "")
         return Trace(self.device, blocks, tuple(initial), tracker.events, tracker.peak_index, tracker.truncated,

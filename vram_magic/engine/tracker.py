@@ -68,6 +68,8 @@ class Tracker(TorchDispatchMode):
         self._aliasing: dict[Any, bool] = {}
         self._hooks: list[Any] = []
         self._lookup = registry.get
+        # serial -> (category, id of the optimizer) for storages whose role the optimizer step revealed
+        self.roles: dict[int, tuple[str, int]] = {}
         self._sites: dict[tuple[tuple[str, int, str], ...], tuple[tuple[str, int, str], ...]] = {}
         self._cpu = device == "cpu"
         self._torch_device = torch.device(device)
@@ -96,11 +98,29 @@ class Tracker(TorchDispatchMode):
             if self.registry.on_free == self._freed:
                 self.registry.on_free = None
 
-    def _opt_pre(self, *_: Any) -> None:
+    def _opt_pre(self, optimizer: Any, *_: Any) -> None:
         self._optimizer_depth += 1
+        # The gradients the step reads: remembered as gradients even if zero_grad frees them in this cell.
+        for group in optimizer.param_groups:
+            for p in group.get("params", ()):
+                if p.grad is not None:
+                    self._note_role(p.grad, "gradients", optimizer)
 
-    def _opt_post(self, *_: Any) -> None:
+    def _opt_post(self, optimizer: Any, *_: Any) -> None:
         self._optimizer_depth = max(self._optimizer_depth - 1, 0)
+        for state in optimizer.state.values():
+            if isinstance(state, dict):
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        self._note_role(v, "optimizer_state", optimizer)
+
+    def _note_role(self, t: torch.Tensor, category: str, owner: Any) -> None:
+        try:
+            entry = self._lookup(id(t.untyped_storage()))
+        except (RuntimeError, NotImplementedError):
+            return
+        if entry is not None:
+            self.roles[entry.serial] = (category, id(owner))
 
     def _mod_pre(self, module: Any, *_: Any) -> None:
         self._modules.append(id(module))
