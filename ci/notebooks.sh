@@ -62,10 +62,12 @@ if [ ! -f "$IPYW7/.complete" ]; then
     touch "$IPYW7/.complete"
 fi
 
+# The two executions below run side by side: the notebooks are mostly single-threaded Python.
 # --- 1. ipywidgets 7.7 ---------------------------------------------------------------------------------------
-step "notebooks with ipywidgets $(PYTHONPATH=$IPYW7 "$PYTHON" -c 'import ipywidgets; print(ipywidgets.__version__)')"
+step "notebooks with ipywidgets $(PYTHONPATH=$IPYW7 "$PYTHON" -c 'import ipywidgets; print(ipywidgets.__version__)') (in the background, log in ${ART#"$ROOT"/}/ipywidgets7.log)"
 PYTHONPATH=$IPYW7${PYTHONPATH:+:$PYTHONPATH} VRAM_EXPECT_IPYWIDGETS=7 VRAM_NOTEBOOKS_OUT=$ART/executed-ipywidgets7 \
-    "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_notebooks.py
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_notebooks.py >"$ART/ipywidgets7.log" 2>&1 &
+IPYW7_TEST=$!
 
 # --- 2. real browser -----------------------------------------------------------------------------------------
 step "notebooks with ipywidgets $("$PYTHON" -c 'import ipywidgets; print(ipywidgets.__version__)'), executed for the browser"
@@ -78,6 +80,12 @@ cp ci/browser/node_modules/requirejs/require.js "$SITE/"
     --ExecutePreprocessor.kernel_name=python3 \
     --HTMLExporter.widget_renderer_url=embed-amd.js --HTMLExporter.require_js_url=require.js \
     --output-dir "$SITE" --log-level=WARN ./*.ipynb)
+step "waiting for the ipywidgets 7.7 run"
+if ! wait "$IPYW7_TEST"; then
+    cat "$ART/ipywidgets7.log"
+    fail "the notebooks failed with ipywidgets 7.7 (log above)"
+fi
+tail -n 1 "$ART/ipywidgets7.log"
 # The ipywidgets 7.7 notebooks too: their state uses the 1.x widget models, which the same manager must render.
 for nb in "$ART"/executed-ipywidgets7/*.ipynb; do
     "$PYTHON" -m jupyter nbconvert --to html "$nb" --output "$(basename "${nb%.ipynb}")-ipywidgets7" \

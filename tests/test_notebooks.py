@@ -25,12 +25,16 @@ TIME_LIMIT_S = 90  # what Binder's 2 cores must manage, per notebook
 SIZE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)? (?:B|KiB|MiB|GiB)\b")
 
 
-def _magic_options(source: str) -> list[str] | None:
-    """The options of a ``%%vram`` cell, or None for other cells."""
-    first = source.lstrip().split("\n", 1)[0]
-    if not first.startswith("%%vram"):
-        return None
-    return first.split()[1:]
+def _magic_display(source: str) -> str | None:
+    """The text a cell's magic output starts with, or None for a cell that shows no magic output: a ``%%vram``
+    cell, or a cell whose ``%vram_estimate`` line is not quiet."""
+    lines = source.lstrip().splitlines()
+    if lines and lines[0].startswith("%%vram"):
+        return None if {"-q", "--quiet"} & set(lines[0].split()) else "%%vram cell"
+    for line in lines:
+        if line.startswith("%vram_estimate") and not {"-q", "--quiet"} & set(line.split()):
+            return "%vram_estimate"
+    return None
 
 
 def _execute(path: Path) -> tuple[nbformat.NotebookNode, float]:
@@ -101,19 +105,19 @@ def test_notebook_executes_with_widget_outputs(path: Path, tmp_path: Path) -> No
         errors = [o for o in cell.outputs if o.output_type == "error"]
         expects_error = "raises-exception" in cell.metadata.get("tags", [])
         assert bool(errors) == expects_error, f"cell {index}: {errors or 'expected an error'}\n{cell.source}"
-        options = _magic_options(cell.source)
-        if options is None or "-q" in options or "--quiet" in options:
+        expected_text = _magic_display(cell.source)
+        if expected_text is None:
             continue
         measured += 1
         bundles = [o.data for o in cell.outputs if o.output_type == "display_data" and WIDGET_VIEW in o.get("data", {})]
         assert len(bundles) == 1, f"cell {index}: {len(bundles)} widget outputs\n{cell.source}"
         data = bundles[0]
         assert data[WIDGET_VIEW]["model_id"], f"cell {index}: widget view without a model id"
-        assert data["text/plain"].startswith("%%vram cell"), f"cell {index}: text fallback {data['text/plain'][:80]!r}"
+        assert data["text/plain"].startswith(expected_text), f"cell {index}: text fallback {data['text/plain'][:80]!r}"
         assert "vram-bar" in data["text/html"], f"cell {index}: HTML fallback has no bars"
         assert data[WIDGET_VIEW]["model_id"] in state, f"cell {index}: the widget's state was not saved"
 
-    assert measured >= 2, "a tutorial notebook should measure cells with %%vram"
+    assert measured >= 2, "a tutorial notebook should show magic outputs"
     assert not _sizes_not_printed(nb), f"sizes in the prose that the outputs no longer show: {_sizes_not_printed(nb)}"
     expect = os.environ.get("VRAM_EXPECT_IPYWIDGETS")
     if expect:  # the kernel really ran that ipywidgets: its models carry the matching protocol version

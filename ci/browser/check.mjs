@@ -1,6 +1,7 @@
 // Open nbconvert HTML pages in headless Debian chromium with every non-local request blocked, and check that
-// each %%vram widget was rendered by the widget manager: a .vram-widget box holding bars whose segments have
-// a visible width. Saves a full-page screenshot of each page.
+// each widget output was rendered by the widget manager: a %%vram report (.vram-widget: before, after and peak
+// bars) or a %vram_estimate one (.vram-estimate-widget: at least one bar), whose segments all have a visible size.
+// Saves a full-page screenshot of each page.
 //
 // usage: node check.mjs BASE_URL OUT_DIR PAGE.html [PAGE.html ...]
 //   BASE_URL  e.g. http://127.0.0.1:8765/ (a local server of the folder with the pages, embed-amd.js, require.js)
@@ -64,18 +65,19 @@ for (const name of pages) {
   let result;
   try {
     await page.waitForFunction(
-      (n) => document.querySelectorAll(".jupyter-widgets .vram-widget, .vram-widget.jupyter-widgets").length >= n,
+      (n) => document.querySelectorAll(".vram-widget, .vram-estimate-widget").length >= n,
       expected,
       { timeout: 20000 },
     );
     result = await page.evaluate(() => {
-      const widgets = [...document.querySelectorAll(".vram-widget")];
+      const widgets = [...document.querySelectorAll(".vram-widget, .vram-estimate-widget")];
       return widgets.map((w) => {
+        const kind = w.classList.contains("vram-widget") ? "report" : "estimate";
         const bars = [...w.querySelectorAll(".vram-bar")];
         const segs = [...w.querySelectorAll(".vram-seg")];
         const visible = segs.filter((s) => s.getBoundingClientRect().width > 0 && s.getBoundingClientRect().height > 0);
         const box = w.getBoundingClientRect();
-        return { bars: bars.length, segs: segs.length, visible: visible.length, width: box.width, height: box.height };
+        return { kind, bars: bars.length, segs: segs.length, visible: visible.length, width: box.width, height: box.height };
       });
     });
   } catch (err) {
@@ -86,9 +88,10 @@ for (const name of pages) {
   const problems = [...errors];
   if (expected === 0) problems.push("no widget views in the page (was the notebook executed with widget state?)");
   if (result) {
-    if (result.length !== expected) problems.push(`${result.length} .vram-widget boxes for ${expected} widget views`);
+    if (result.length !== expected) problems.push(`${result.length} rendered widgets for ${expected} widget views`);
     result.forEach((w, i) => {
-      if (w.bars !== 3) problems.push(`widget ${i}: ${w.bars} .vram-bar rows, expected 3 (before, after, peak)`);
+      if (w.kind === "report" && w.bars !== 3) problems.push(`widget ${i}: ${w.bars} .vram-bar rows, expected 3`);
+      if (w.kind === "estimate" && w.bars < 1) problems.push(`widget ${i}: an estimate without a .vram-bar`);
       if (w.width < 100 || w.height < 40) problems.push(`widget ${i}: box ${w.width}x${w.height} px`);
       if (w.visible !== w.segs) problems.push(`widget ${i}: ${w.segs - w.visible} of ${w.segs} segments have no size`);
     });
@@ -104,7 +107,9 @@ for (const name of pages) {
     failures += 1;
     console.log(`FAIL ${name}: ${problems.join("; ")} (screenshot ${shot})`);
   } else {
-    console.log(`ok   ${name}: ${expected} widgets rendered, ${segs} bar segments visible, ${ms} ms (screenshot ${shot})`);
+    const kinds = result.reduce((acc, w) => ({ ...acc, [w.kind]: (acc[w.kind] || 0) + 1 }), {});
+    const counts = Object.entries(kinds).map(([k, n]) => `${n} ${k}`).join(", ");
+    console.log(`ok   ${name}: ${expected} widgets rendered (${counts}), ${segs} bar segments visible, ${ms} ms`);
   }
   await page.close();
 }
