@@ -304,8 +304,9 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
         if stage in (FORWARD, LOSS):
             owner[serial] = ("activations", "loss" if stage == LOSS and not mod else "forward intermediates")
         elif stage == BACKWARD:
+            # the gradients flowing back through the graph count as activations, as measure() counts them
             owner[serial] = ("activations", "recomputed (checkpointing)") if recompute else (
-                "other", "backward temporaries")
+                "activations", "activation gradients (backward)")
         elif stage == OPTIMIZER:
             owner[serial] = ("other", "optimizer temporaries")
         elif stage == ZERO_GRAD:
