@@ -104,6 +104,9 @@ def build_kwargs(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any
                          "or --shape 3,224,224 --batch 32")
     optimizer: Any = args.optimizer
     if optimizer.lower() not in OPTIMIZERS:
+        if _unquote(optimizer).split("(")[0].split(".")[0] not in ns:
+            raise UsageError(f"--optimizer: unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}, "
+                             "or the name of an optimizer object or class in the notebook")
         optimizer = _eval(optimizer, ns, "--optimizer")
     kwargs: dict[str, Any] = dict(
         optimizer=optimizer, inference=args.inference, dtype=args.dtype, amp=args.amp,

@@ -15,7 +15,16 @@ def _title(est: Estimate) -> str:
     if est.micro_batch is not None and est.micro_batch != est.batch:
         shape += f" (micro-batch {est.micro_batch})"
     return (f"%vram_estimate {est.model} · {est.description} · {est.device}{shape} · "
-            f"{est.parameters / 1e6:,.1f} M parameters")
+            f"{_count(est.parameters)} parameters")
+
+
+def _count(n: int) -> str:
+    """``1_234`` → ``1.2 K``, ``6_738_415_616`` → ``6.74 B``: parameter counts as people say them."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.{2 if value < 10 else 1}f} {unit}"
+    return str(n)
 
 
 def _flops(n: float) -> str:
