@@ -258,3 +258,10 @@ def test_gradients_freed_in_the_same_cell_stay_gradients_at_the_peak(shell):
     assert r.peak.gradients == PARAMS
     assert r.peak.details("gradients") == {"opt": PARAMS}
     assert r.after.gradients == 0 and r.after.optimizer_state == 2 * PARAMS + ADAM_STEPS
+
+
+def test_report_is_numbered_like_the_prompt(shell):
+    res = run_ok(shell, "%%vram -q -o r\nz = 1")
+    assert shell.user_ns["r"].cell == res.execution_count
+    res2 = run_ok(shell, "%%vram -q -o r2\nz = 2")
+    assert shell.user_ns["r2"].previous == res.execution_count and shell.user_ns["r2"].cell == res2.execution_count

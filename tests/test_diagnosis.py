@@ -181,7 +181,8 @@ def test_snapshot_export_loads_and_replays(shell, tmp_path):
     # frames point at the cell's own lines: line 2 (linear), 3 (relu), 4 (sum) of the %%vram cell
     cell_lines = [e["frames"][0]["line"] for e in allocs]
     assert cell_lines == [1, 2, 3]  # the cell body starts after the %%vram line
-    assert all(e["frames"][0]["filename"].startswith("<ipython-input-") for e in allocs)
+    assert {e["frames"][0]["filename"] for e in allocs} == {f"<cell {r.cell}>"}
+    assert r.peak_sites(1)[0][0] == f"cell {r.cell}:1"
     assert {e["category"] for e in allocs} == {"activations"}  # h, a and loss are forward outputs
     start, peak, _ = replay(snap)
     assert start == r.before.total and peak == r.peak.total

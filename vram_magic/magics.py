@@ -51,6 +51,8 @@ class VramMagics(Magics):
 
         refresh_shell_codes()
         self.session = Session(shell.user_ns, history_size=self.history_size)
+        # the files IPython compiles cells into, mapped to cell numbers: allocation sites read "cell 12:3"
+        self.session.cell_files = getattr(shell.compile, "_filename_map", None)
         self._auto = False
         self._auto_skip = False
         self.observe(lambda ch: self.session.resize(ch["new"]), names="history_size")
@@ -82,7 +84,7 @@ class VramMagics(Magics):
             raise UsageError(f"-o needs a variable name, got {args.output!r}")
         try:
             self.session.record_sites = self.record_sites and not args.no_trace
-            self.session.start(args.device, budget=budget, cell=self.shell.execution_count, source=cell)
+            self.session.start(args.device, budget=budget, cell=self._cell_number(), source=cell)
         except ValueError as err:
             raise UsageError(str(err)) from None
         finally:
@@ -111,12 +113,18 @@ class VramMagics(Magics):
                 self._show(report, timeline=args.timeline)
         return None
 
+    def _cell_number(self) -> int:
+        """The number in the cell's ``In [N]`` prompt (IPython 9 has already counted the next cell by now)."""
+        result = getattr(self.shell.displayhook, "exec_result", None)
+        count = getattr(result, "execution_count", None)
+        return int(count) if count is not None else int(self.shell.execution_count)
+
     def _execute(self, cell: str) -> Any:
         """Run the cell's code in the user namespace; return the last expression's value (like a cell)."""
         __tracebackhide__ = True  # noqa: F841
         shell = self.shell
         source = shell.transform_cell(cell)
-        filename = shell.compile.cache(source, shell.execution_count, raw_code=cell)
+        filename = shell.compile.cache(source, self._cell_number(), raw_code=cell)
         flags = shell.compile.flags | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
         tree = compile(source, filename, "exec", ast.PyCF_ONLY_AST | flags, dont_inherit=True)
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
@@ -214,7 +222,7 @@ class VramMagics(Magics):
         raw = (getattr(info, "raw_cell", "") or "").lstrip()
         self._auto_skip = raw.startswith("%%vram") or raw.startswith("%vram") or self.session.active is not None
         if not self._auto_skip:
-            self.session.start(cell=self.shell.execution_count, source=raw)
+            self.session.start(cell=self._cell_number(), source=raw)
 
     def _post_run_cell(self, result: Any) -> None:
         if self._auto_skip or self.session.active is None:

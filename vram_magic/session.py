@@ -54,6 +54,7 @@ class Session:
         self.budget: int | None = None
         self.record_sites = True
         self.active: Measurement | None = None
+        self.cell_files: Mapping[str, int] | None = None  # compiled cell file name -> cell number
 
     # --- measuring -------------------------------------------------------------------------------
     def start(self, device: Any = None, *, budget: int | str | None = None, cell: int | None = None,
@@ -66,7 +67,8 @@ class Session:
                                "remove the inner %%vram or measure the outer cell only)")
         budget = parse_size(budget) if budget is not None else self.budget
         m = Measurement(device, namespace=self.namespace, budget=budget, previous=self.last,
-                        registry=self.registry, record_sites=self.record_sites, cell=cell, source=source)
+                        registry=self.registry, record_sites=self.record_sites, cell=cell, source=source,
+                        cell_files=self.cell_files)
         m.__enter__()
         self.active = m
         return m

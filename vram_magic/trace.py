@@ -119,7 +119,9 @@ def format_frame(frame: Frame) -> str:
 
 
 def cell_name(filename: str) -> str:
-    """``<ipython-input-3-abc>`` → ``cell 3``; a path → its base name."""
+    """``<cell 3>`` or ``<ipython-input-3-abc>`` → ``cell 3``; a path → its base name."""
+    if filename.startswith("<cell ") and filename.endswith(">"):
+        return filename[1:-1]
     if filename.startswith("<ipython-input-"):
         parts = filename[1:-1].split("-")
         if len(parts) >= 3 and parts[2].isdigit():

@@ -51,6 +51,7 @@ class Measurement:
         record_sites: bool = True,
         cell: int | None = None,
         source: str = "",
+        cell_files: Mapping[str, int] | None = None,
     ) -> None:
         self.device = cuda.resolve_device(device)
         self.namespace = namespace
@@ -60,6 +61,7 @@ class Measurement:
         self.record_sites = record_sites
         self.cell = cell
         self.source = source
+        self.cell_files = cell_files
         self.report: CellReport | None = None
         self._tracker: Tracker | None = None
 
@@ -187,6 +189,7 @@ class Measurement:
             else:  # alive throughout: a constant, summed
                 base[cat] = base.get(cat, 0) + size
         names = {**self._scan_before.module_names, **scan_after.module_names}
+        sites = _SiteNamer(self.cell_files)
         optimizers = {**self._scan_before.optimizer_names, **scan_after.optimizer_names}
         for serial, (size, phase, site, module) in tracker.allocs.items():
             key = alive.get(serial)
@@ -197,7 +200,7 @@ class Measurement:
                 cat = (role, optimizers.get(owner, "optimizer"))
             else:
                 cat = PHASE_CATEGORY[phase]
-            blocks[serial] = Block(serial, size, cat[0], cat[1], site=site, phase=PHASE_NAMES[phase],
+            blocks[serial] = Block(serial, size, cat[0], cat[1], site=sites(site), phase=PHASE_NAMES[phase],
                                    module=names.get(module, "") if module else "")
         return Trace(self.device, blocks, tuple(initial), tracker.events, tracker.peak_index, tracker.truncated,
                      base=tuple((c, lab, n) for (c, lab), n in base.items()))
@@ -242,6 +245,24 @@ class Measurement:
             site=info.get("site", ()),
             phase=PHASE_NAMES[info["phase"]] if "phase" in info else "",
         )
+
+
+class _SiteNamer:
+    """Rewrites the files IPython compiles cells into (``/tmp/ipykernel_…/123.py``) as ``<cell N>``."""
+
+    def __init__(self, cell_files: Mapping[str, int] | None) -> None:
+        self.cell_files = cell_files or {}
+        self.done: dict[Any, Any] = {}
+
+    def __call__(self, site: tuple[tuple[str, int, str], ...]) -> tuple[tuple[str, int, str], ...]:
+        if not self.cell_files or not site:
+            return site
+        named = self.done.get(site)
+        if named is None:
+            named = tuple((f"<cell {self.cell_files[f]}>" if f in self.cell_files else f, line, name)
+                          for f, line, name in site)
+            self.done[site] = named
+        return named
 
 
 def release_traceback(tb: TracebackType) -> None:
