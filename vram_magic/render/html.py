@@ -31,10 +31,11 @@ def bars_html(rows: list[tuple[str, Breakdown]], scale: int, capacity: int | Non
                       f'left:{left:.3f}%;top:-2px;bottom:-2px;border-left:2px dashed #000"></div>')
         out.append(
             f'<div class="vram-row" style="display:flex;align-items:center;margin:2px 0">'
-            f'<div style="width:4.5em;font-weight:bold">{html.escape(name)}</div>'
+            f'<div style="min-width:4.5em;font-weight:bold;white-space:nowrap">{html.escape(name)}</div>'
             f'<div class="vram-bar" style="position:relative;flex:1;height:18px;background:#f3f3f3;'
             f'white-space:nowrap;font-size:0">{"".join(segs)}{marker}</div>'
-            f'<div style="width:7em;text-align:right;font-family:monospace">{format_bytes(b.total)}</div></div>'
+            f'<div style="min-width:7.5em;padding-left:.5em;text-align:right;font-family:monospace;'
+            f'white-space:nowrap">{format_bytes(b.total)}</div></div>'
         )
     return "".join(out)
 
