@@ -62,7 +62,9 @@ if [ ! -f "$IPYW7/.complete" ]; then
     touch "$IPYW7/.complete"
 fi
 
-# The two executions below run side by side: the notebooks are mostly single-threaded Python.
+# The two executions below run side by side, one CPU thread each: two PyTorch processes with a thread per core
+# each would oversubscribe the cores, and PyTorch's spinning threads then slow both down many times over.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # --- 1. ipywidgets 7.7 ---------------------------------------------------------------------------------------
 step "notebooks with ipywidgets $(PYTHONPATH=$IPYW7 "$PYTHON" -c 'import ipywidgets; print(ipywidgets.__version__)') (in the background, log in ${ART#"$ROOT"/}/ipywidgets7.log)"
 PYTHONPATH=$IPYW7${PYTHONPATH:+:$PYTHONPATH} VRAM_EXPECT_IPYWIDGETS=7 VRAM_NOTEBOOKS_OUT=$ART/executed-ipywidgets7 \
