@@ -28,7 +28,7 @@ def make(n):
 
 
 def test_budget_oom_report_advice_and_release(shell):
-    run_ok(shell, MAKE)
+    make_cell = run_ok(shell, MAKE).execution_count
     result = run(shell, "%%vram --budget 48MiB -q -o r\nout = make(30 * 2**20)")
     assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
     assert "tried to allocate 30.0 MiB" in str(result.error_in_exec)
@@ -46,6 +46,22 @@ def test_budget_oom_report_advice_and_release(shell):
         tb = tb.tb_next
     assert tb.tb_frame.f_code.co_name == "make"
     assert "out of memory" in str(r).lower()
+    # where: the innermost line of the user's code, in the cell that defined `make`
+    assert r.oom.site[0] == (f"<cell {make_cell}>", 5, "make")
+    assert f"at cell {make_cell}:5 in make" in str(r)
+
+
+def test_oom_holders_are_variables(shell):
+    run_ok(shell, "import torch\nnet = torch.nn.Sequential(torch.nn.Linear(256, 4096), torch.nn.ReLU(), "
+                  "torch.nn.Linear(4096, 4096))\nxb = torch.randn(512, 256)")
+    result = run(shell, "%%vram -q -o r --budget 80MiB\nout = net(xb)")  # 68.5 MiB before it, 8 MiB a layer
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+    r = shell.user_ns["r"]
+    holders = dict(r.oom.holders)
+    assert "forward intermediates" not in holders and "unattributed" not in holders
+    assert holders["xb"] == 512 * 256 * F32
+    assert r.oom.phase == "forward"
+    assert all("forward intermediates" not in a.title for a in r.advice)
 
 
 def test_session_budget_applies_to_following_cells(shell):

@@ -54,6 +54,7 @@ def test_format_bytes_binary_units():
     assert format_bytes(16_957_480) == "16.2 MiB"
     assert format_bytes(3 * 1024**3) == "3.00 GiB"
     assert format_bytes(-2048, signed=True) == "−2.00 KiB"
+    assert format_bytes(-5) == "−5 B"
     assert format_bytes(2048, signed=True) == "+2.00 KiB"
 
 

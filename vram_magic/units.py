@@ -53,7 +53,7 @@ def parse_size(text: str | int) -> int:
 
 def format_bytes(n: int | float, *, signed: bool = False) -> str:
     """``format_bytes(1536) == '1.50 KiB'``; with ``signed=True`` a ``+`` or ``−`` sign leads."""
-    sign = ""
+    sign = "−" if n < 0 else ""
     if signed:
         sign = "+" if n > 0 else ("−" if n < 0 else "±")
     value = abs(float(n))

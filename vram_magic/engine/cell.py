@@ -229,11 +229,12 @@ class Measurement:
         names = tracker.oom_holders
         holders: dict[str, int] = {}
         for _, label, n in trace.base:
-            if label and label != "unattributed":
-                holders[label] = holders.get(label, 0) + n
+            name = _holder_name(label)
+            if name:
+                holders[name] = holders.get(name, 0) + n
         for serial in trace.alive_at(index):
             b = trace.blocks[serial]
-            name = names.get(serial) or (b.label if b.label not in ("unattributed",) else "")
+            name = names.get(serial) or _holder_name(b.label)
             if name:
                 holders[name] = holders.get(name, 0) + b.size
         return OomInfo(
@@ -242,9 +243,21 @@ class Measurement:
             capacity=self.budget if self.budget is not None else cuda.capacity(self.device),
             live=live,
             holders=tuple(sorted(holders.items(), key=lambda kv: -kv[1])),
-            site=info.get("site", ()),
+            site=_SiteNamer(self.cell_files)(info.get("site", ())),
             phase=PHASE_NAMES[info["phase"]] if "phase" in info else "",
         )
+
+
+_NOT_VARIABLES = {label for _, label in PHASE_CATEGORY.values()} | {"unattributed", ""}
+
+
+def _holder_name(label: str) -> str:
+    """The variable behind a detail label (``graph held by loss`` → ``loss``); "" for labels that name none."""
+    if label in _NOT_VARIABLES or label.startswith(("buffers of ", "output cache ", "held by the graph of ")):
+        return ""
+    if label.startswith("graph held by "):
+        return label[len("graph held by "):]
+    return label
 
 
 class _SiteNamer:

@@ -29,13 +29,14 @@ def bars_html(rows: list[tuple[str, Breakdown]], scale: int, capacity: int | Non
             left = min(100.0 * capacity / scale, 100.0)
             marker = (f'<div class="vram-capacity" title="capacity {format_bytes(capacity)}" style="position:absolute;'
                       f'left:{left:.3f}%;top:-2px;bottom:-2px;border-left:2px dashed #000"></div>')
+        # name, total, then the bar: if a narrow output area clips anything, it is the bar's empty end
         out.append(
-            f'<div class="vram-row" style="display:flex;align-items:center;margin:2px 0">'
+            f'<div class="vram-row" style="display:flex;align-items:center;margin:2px 0;padding-right:1em">'
             f'<div style="min-width:4.5em;font-weight:bold;white-space:nowrap">{html.escape(name)}</div>'
-            f'<div class="vram-bar" style="position:relative;flex:1;height:18px;background:#f3f3f3;'
-            f'white-space:nowrap;font-size:0">{"".join(segs)}{marker}</div>'
-            f'<div style="min-width:7.5em;padding-left:.5em;text-align:right;font-family:monospace;'
-            f'white-space:nowrap">{format_bytes(b.total)}</div></div>'
+            f'<div class="vram-total" style="min-width:6.5em;padding-right:.6em;text-align:right;'
+            f'font-family:monospace;white-space:nowrap">{format_bytes(b.total)}</div>'
+            f'<div class="vram-bar" style="position:relative;flex:1;min-width:0;height:18px;background:#f3f3f3;'
+            f'white-space:nowrap;overflow:hidden;font-size:0">{"".join(segs)}{marker}</div></div>'
         )
     return "".join(out)
 

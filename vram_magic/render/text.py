@@ -77,7 +77,7 @@ def oom_text(report: CellReport) -> str:
     oom = report.oom
     assert oom is not None
     req = format_bytes(oom.requested) if oom.requested else "?"
-    where = f" at {format_frame(oom.site[-1] if len(oom.site) > 1 else oom.site[0])}" if oom.site else ""
+    where = f" at {format_frame(oom.site[0])}" if oom.site else ""
     parts = [f"  OUT OF MEMORY: a request of {req}{where}; alive then: " + ", ".join(
         f"{LABELS[c]} {format_bytes(oom.live[c])}" for c in CATEGORIES if oom.live[c])]
     if oom.holders:

@@ -76,7 +76,7 @@ def timeline_figure(report: CellReport, top: int = 3) -> Figure:
     ax.annotate(f"peak {format_bytes(peak)}", (trace.peak_index, peak), xytext=(4, 4),
                 textcoords="offset points", fontsize=8, fontweight="bold")
     for i, block in trace.largest_allocations(top):
-        where = f" at {format_frame(block.site[-1])}" if block.site else ""
+        where = f" at {format_frame(block.site[0])}" if block.site else ""
         total = sum(series[c][i + 1] for c in CATEGORIES)
         ax.annotate(f"{format_bytes(block.size)}{where}", (i + 1, total), xytext=(0, -12),
                     textcoords="offset points", fontsize=7, ha="center", color="#333")
