@@ -251,8 +251,8 @@ def test_measure_api_without_ipython():
 
 def test_gradients_freed_in_the_same_cell_stay_gradients_at_the_peak(shell):
     run_ok(shell, BUILD)
-    run_ok(shell, "%%vram -q -o r\nloss = model(x).sum()\nloss.backward()\nopt.step()\nopt.zero_grad(set_to_none=True)\n"
-                  "del loss")
+    run_ok(shell, "%%vram -q -o r\nloss = model(x).sum()\nloss.backward()\nopt.step()\n"
+                  "opt.zero_grad(set_to_none=True)\ndel loss")
     r = shell.user_ns["r"]
     # AdamW's step reads every gradient while they are all alive: at its peak they are gradients, not activations
     assert r.peak.gradients == PARAMS
