@@ -265,3 +265,13 @@ def test_report_is_numbered_like_the_prompt(shell):
     assert shell.user_ns["r"].cell == res.execution_count
     res2 = run_ok(shell, "%%vram -q -o r2\nz = 2")
     assert shell.user_ns["r2"].previous == res.execution_count and shell.user_ns["r2"].cell == res2.execution_count
+
+
+def test_storages_resized_in_place_are_counted(shell):
+    run_ok(shell, "import torch\na = torch.zeros(1000)\nout = torch.empty(0)\nb = torch.empty(0)")
+    run_ok(shell, "%%vram -q -o r\ntorch.add(a, 1, out=out)\nb.resize_(2000)")
+    r = shell.user_ns["r"]
+    assert r.before.total == 1000 * F32
+    assert r.after.total == (1000 + 1000 + 2000) * F32
+    assert r.after.details("other") == {"a": 1000 * F32, "out": 1000 * F32, "b": 2000 * F32}
+    assert r.peak.total == r.after.total and r.delta.total == 3000 * F32

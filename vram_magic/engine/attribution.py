@@ -94,12 +94,11 @@ class _Walker:
                 self.scan.holders[key] = holder
         return key
 
-    def _claim_all(self, tensors: Iterable[Any], category: str, label: str, holder: str) -> None:
-        """``claim`` for many tensors of one holder (the scan's hot loop: parameters of big models)."""
+    def _claim_all(self, items: Iterable[tuple[Any, str]], category: str, prefix: str = "") -> None:
+        """``claim`` for many ``(tensor, holder)`` pairs (the scan's hot loop: parameters of big models)."""
         reg_get, reg_add = self.registry.get, self.registry.add
         owner, holders = self.scan.owner, self.scan.holders
-        value = (category, label)
-        for t in tensors:
+        for t, name in items:
             try:
                 storage = t.untyped_storage()
             except (AttributeError, RuntimeError, NotImplementedError):
@@ -108,38 +107,35 @@ class _Walker:
             if reg_get(key) is None:
                 reg_add(storage)
             if key not in owner:
-                owner[key] = value
-                holders[key] = holder
+                owner[key] = (category, prefix + name)
+                holders[key] = name
 
     def assign(self) -> Scan:
         names = self.scan.module_names
-        by_holder: list[tuple[str, list[Any], list[Any]]] = []  # (name, parameters, buffers)
+        params: list[tuple[Any, str]] = []
+        buffers: list[tuple[Any, str]] = []
         for name, m in self.modules:
-            params: list[Any] = []
-            buffers: list[Any] = []
             # straight from each submodule's dicts: much cheaper than parameters()/buffers() generators
             subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
             for subname, sub in subs:
                 names.setdefault(id(sub), subname)
-                params.extend(sub._parameters.values())
-                buffers.extend(sub._buffers.values())
-            by_holder.append((name, params, buffers))
+                for p in sub._parameters.values():
+                    if p is not None:
+                        params.append((p, name))
+                for b in sub._buffers.values():
+                    if b is not None:
+                        buffers.append((b, name))
         for name, opt in self.optimizers:
             self.scan.optimizer_names.setdefault(id(opt), name)
-            params = [p for group in opt.param_groups for p in group.get("params", ())]
-            by_holder.append((name, params, []))
-        for name, params, _ in by_holder:
-            self._claim_all((p for p in params if p is not None), "parameters", name, name)
-        for name, params, _ in by_holder:
-            self._claim_all((p.grad for p in params if p is not None and p.grad is not None), "gradients", name,
-                            name)
+            params.extend((p, name) for group in opt.param_groups for p in group.get("params", ()))
+        self._claim_all(params, "parameters")
+        self._claim_all(((p.grad, name) for p, name in params if p.grad is not None), "gradients")
         for name, opt in self.optimizers:
             for state in opt.state.values():
                 if isinstance(state, Mapping):
                     for v in state.values():
                         self.claim(v, "optimizer_state", name, name)
-        for name, _, buffers in by_holder:
-            self._claim_all((b for b in buffers if b is not None), "other", f"buffers of {name}", name)
+        self._claim_all(buffers, "other", "buffers of ")
         for name, t in self.tensors:
             # a forward output (part of a graph) is an activation; a leaf (input, user data) is "other"
             self.claim(t, "activations" if t.grad_fn is not None else "other", name, name)

@@ -88,13 +88,22 @@ class Measurement:
     # --- measuring -------------------------------------------------------------------------------
     def __enter__(self) -> Measurement:
         self._stats_before = self._stats()
-        self._scan_before = scan_namespace(self.namespace, self.registry)
-        self._before_rows = self._rows(self._scan_before, allocs={})
-        self._before_owner = {e.serial: self._scan_before.category(k) for k, e in self.registry.entries(self.device)}
+        self._scan_before = scan = scan_namespace(self.namespace, self.registry)
+        # one pass over what is alive: the split before, who owned what, and the tracker's starting point
+        rows: dict[tuple[str, str], int] = {}
+        owner: dict[int, tuple[str, str]] = {}
+        initial: dict[int, int] = {}
+        for key, entry in self.registry.entries(self.device):
+            cat = scan.category(key)
+            rows[cat] = rows.get(cat, 0) + entry.size
+            owner[entry.serial] = cat
+            initial[entry.serial] = entry.size
+        self._before_rows, self._before_owner = rows, owner
         self._history = None
         if self.device.startswith("cuda") and self.record_sites:
             self._history = cuda.History(self.device).start()
-        self._tracker = Tracker(self.registry, self.device, budget=self.budget, record_sites=self.record_sites)
+        self._tracker = Tracker(self.registry, self.device, budget=self.budget, record_sites=self.record_sites,
+                                initial=initial)
         self._t0 = time.perf_counter()
         self._tracker.__enter__()
         return self

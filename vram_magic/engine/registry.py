@@ -82,6 +82,9 @@ class LiveStorages:
         self._entries[key] = entry
         return entry
 
+    def next_serial(self) -> int:
+        return next(self._serials)
+
     def entries(self, device: str | None = None) -> Iterator[tuple[int, Entry]]:
         for key, entry in list(self._entries.items()):
             if device is None or entry.device == device:

@@ -43,6 +43,7 @@ class Tracker(TorchDispatchMode):
         budget: int | None = None,
         record_sites: bool = True,
         max_events: int = 2_000_000,
+        initial: dict[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.registry = registry
@@ -50,10 +51,12 @@ class Tracker(TorchDispatchMode):
         self.budget = budget
         self.record_sites = record_sites
         self.max_events = max_events
-        self.current = registry.live_bytes(device)
-        self.baseline = self.current
         # serial -> size of the storages alive at the start, and of those first seen later as an op's input
-        self.initial = {e.serial: e.size for _, e in registry.entries(device)}
+        if initial is None:
+            initial = {e.serial: e.size for _, e in registry.entries(device)}
+        self.initial = initial
+        self.current = sum(initial.values())
+        self.baseline = self.current
         self.late: dict[int, int] = {}
         self.oom_holders: dict[int, str] = {}  # serial -> "x in f" for the locals alive at an OOM
         self.peak = self.current
@@ -66,6 +69,7 @@ class Tracker(TorchDispatchMode):
         self._optimizer_depth = 0
         self._modules: list[int] = []  # ids of the modules whose forward is running, innermost last
         self._aliasing: dict[Any, bool] = {}
+        self._resizing: dict[Any, bool] = {}
         self._hooks: list[Any] = []
         self._lookup = registry.get
         # serial -> (category, id of the optimizer) for storages whose role the optimizer step revealed
@@ -148,11 +152,23 @@ class Tracker(TorchDispatchMode):
         else:
             self.truncated = True
 
+    def _resized(self, entry: Entry, size: int) -> None:
+        """A storage that changed size: in the history, the old block is freed and a new one allocated."""
+        if self.budget is not None and self.current - entry.size + size > self.budget:
+            self._raise_oom(size - entry.size)
+        self._freed(entry)
+        entry.serial = self.registry.next_serial()
+        entry.size = size
+        self._record(entry)
+
     def _new(self, storage: Any) -> None:
         size = storage.nbytes() if self._cpu else storage_size(storage, self.device)
         if self.budget is not None and self.current + size > self.budget:
             self._raise_oom(size)
-        entry = self.registry.add_new(storage, id(storage), size, self.device)
+        self._record(self.registry.add_new(storage, id(storage), size, self.device))
+
+    def _record(self, entry: Entry) -> None:
+        size = entry.size
         self.current += size
         if len(self.events) < self.max_events:
             self.events.append(entry.serial)
@@ -160,7 +176,7 @@ class Tracker(TorchDispatchMode):
             self.truncated = True
         site: tuple[tuple[str, int, str], ...] = ()
         if self.record_sites:
-            site = user_frames(sys._getframe(3))
+            site = user_frames(sys._getframe(4))
             site = self._sites.setdefault(site, site)  # one tuple per distinct site, however many allocations
         self.allocs[entry.serial] = (size, self.phase(), site, self._modules[-1] if self._modules else 0)
         if self.current > self.peak:
@@ -210,12 +226,10 @@ class Tracker(TorchDispatchMode):
             return
         entry = self._lookup(id(storage))
         if entry is not None:
-            if self._aliases(func):  # in place or out=: the storage may have been resized
+            if self._resizes(func) and entry.device == self.device:  # out=, resize_, set_ can grow it
                 size = storage_size(storage, entry.device)
-                if entry.device == self.device and entry.size != size:
-                    self.current += size - entry.size
-                    entry.size = size
-                    self.peak = max(self.peak, self.current)
+                if entry.size != size:
+                    self._resized(entry, size)
             return
         if (not t.is_cpu) if self._cpu else (t.device != self._torch_device):
             self.registry.add(storage)  # another device: known for its own reports, not counted here
@@ -224,6 +238,15 @@ class Tracker(TorchDispatchMode):
             self._late(storage)
             return
         self._new(storage)
+
+    def _resizes(self, func: Any) -> bool:
+        hit = self._resizing.get(func)
+        if hit is None:
+            name = getattr(func, "_overloadname", "")
+            base = str(getattr(func, "__name__", "")).split(".")[0]
+            hit = "out" in name or base in ("resize_", "resize_as_", "set_")
+            self._resizing[func] = hit
+        return hit
 
     def _aliases(self, func: Any) -> bool:
         hit = self._aliasing.get(func)
