@@ -242,3 +242,12 @@ def test_cuda_cell_peak_without_resetting_the_users_counter(shell):
     assert torch.cuda.max_memory_allocated() == shell.user_ns["user_peak"]  # untouched
     assert r.peak.total - r.before.total >= 2 * 2**20 * 4
     assert r.stats is not None and r.stats.reserved >= r.stats.allocated
+
+
+def test_advice_groups_graphs_held_by_one_container(shell):
+    run_ok(shell, TRAIN)
+    run_ok(shell, "%%vram -q -o r\nlosses = [model(x).sum() for _ in range(3)]")
+    r = shell.user_ns["r"]
+    (a,) = r.advice
+    assert a.kind == "graph" and a.concerns == "losses" and "3 tensors" in a.title
+    assert a.saving == r.after.activations == r.delta.activations

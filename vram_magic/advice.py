@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from .report import Advice, CellReport
 from .units import format_bytes
 
@@ -26,14 +28,26 @@ def _leaks(report: CellReport) -> list[Advice]:
     phases = report.trace.phases() if report.trace is not None else {}
     did_backward = "backward" in phases
     inference = "inference" in phases and not did_backward and "optimizer" not in phases
-    for label, n in after.details("activations").items():
+    graphs: dict[str, list[tuple[str, int]]] = {}  # root variable -> [(name, bytes)]: lists of losses group
+    acts = after.details("activations")
+    for label, n in acts.items():
         if label.startswith("graph held by "):
             name = label[len("graph held by "):]
-            fix = f"`del {name}` when done, or keep `{name}.item()` / `{name}.detach()` instead of the tensor"
-            if not did_backward:
-                fix += "; for evaluation run the forward under `torch.no_grad()` or `torch.inference_mode()`"
-            n += after.details("activations").get(name, 0)  # `del` frees the variable's own tensor too
-            out.append(Advice(f"`{name}` keeps an autograd graph alive", fix + ".", n, name, "graph"))
+            n += acts.get(name, 0)  # `del` frees the variable's own tensor too
+            graphs.setdefault(re.split(r"[\[.]", name, maxsplit=1)[0], []).append((name, n))
+    eval_hint = "; for evaluation run the forward under `torch.no_grad()` or `torch.inference_mode()`"
+    for root, held in graphs.items():
+        total = sum(n for _, n in held)
+        if len(held) == 1 and held[0][0] == root:
+            fix = f"`del {root}` when done, or keep `{root}.item()` / `{root}.detach()` instead of the tensor"
+            title = f"`{root}` keeps an autograd graph alive"
+        else:
+            fix = (f"{len(held)} tensors in `{root}` each keep a graph: store `.item()` or `.detach()` instead, "
+                   f"and `del` or clear `{root}` to release what it holds now")
+            title = f"`{root}` holds {len(held)} tensors that keep autograd graphs alive"
+        if not did_backward:
+            fix += eval_hint
+        out.append(Advice(title, fix + ".", total, root, "graph"))
     for label, n in after.details("other").items():
         if label.startswith("output cache "):
             name = label[len("output cache "):]
