@@ -31,6 +31,7 @@ def run_demo(out: Any = None) -> Session:
     out = out or sys.stdout
     namespace: dict[str, Any] = {}
     session = Session(namespace)
+    session.cell_files = {f"<demo cell {i}>": i for i in range(1, len(CELLS) + 1)}  # sites read "cell 2:1"
     for i, (title, code) in enumerate(CELLS, 1):
         print(f"\n[{i}] {title}", file=out)
         print("".join(f"    {line}\n" for line in code.strip().splitlines()), file=out, end="")
