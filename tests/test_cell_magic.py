@@ -275,3 +275,19 @@ def test_storages_resized_in_place_are_counted(shell):
     assert r.after.total == (1000 + 1000 + 2000) * F32
     assert r.after.details("other") == {"a": 1000 * F32, "out": 1000 * F32, "b": 2000 * F32}
     assert r.peak.total == r.after.total and r.delta.total == 3000 * F32
+
+
+def test_objects_whose_attributes_raise_do_not_break_measuring(shell):
+    run_ok(shell, """
+import torch
+class Weird:
+    def __init__(self):
+        self.t = torch.zeros(100)
+    def __getattribute__(self, name):
+        if name == "__dict__":
+            raise ValueError("no peeking")
+        return object.__getattribute__(self, name)
+w = Weird()
+""")
+    run_ok(shell, "%%vram -q -o r\nu = torch.zeros(10)")
+    assert shell.user_ns["r"].delta.total == 40

@@ -43,6 +43,7 @@ def run_demo(out: Any = None) -> Session:
         except Exception as exc:  # the OOM of the last cell is part of the demo
             error = exc
         report = session.finish(error)
+        assert report is not None
         if error is not None:
             print(f"    -> {type(error).__name__}: {error}", file=out)
         error = None

@@ -102,14 +102,14 @@ class VramMagics(Magics):
             raise
         finally:
             report = self.session.finish(error)
-            if args.output:
+            if args.output and report is not None:
                 self.shell.user_ns[args.output] = report
             if error is not None:
                 del error  # the traceback holds frames; do not keep it in this frame
             if value is not None:  # the cell's own result, as without the magic
                 self.shell.displayhook(value)
                 value = None
-            if not args.quiet:
+            if not args.quiet and report is not None:
                 self._show(report, timeline=args.timeline)
         return None
 
@@ -228,7 +228,8 @@ class VramMagics(Magics):
         if self._auto_skip or self.session.active is None:
             return
         report = self.session.finish(result.error_in_exec)
-        self._show(report)
+        if report is not None:
+            self._show(report)
 
     # --- %vram_estimate --------------------------------------------------------------------------
     @line_magic

@@ -73,12 +73,22 @@ class Session:
         self.active = m
         return m
 
-    def finish(self, exc: BaseException | None = None) -> CellReport:
+    def finish(self, exc: BaseException | None = None) -> CellReport | None:
+        """End the measurement and return its report. While the cell's own exception propagates, a failure to
+        build the report is a warning (``None`` is returned): the user's error is what they must see."""
         m = self.active
         assert m is not None, "finish() without start()"
         self.active = None
         try:
             m.__exit__(type(exc) if exc is not None else None, exc, exc.__traceback__ if exc is not None else None)
+        except Exception as err:
+            if exc is None:
+                raise
+            import warnings
+
+            warnings.warn(f"vram_magic could not build this cell's report: {type(err).__name__}: {err}",
+                          RuntimeWarning, stacklevel=2)
+            return None
         finally:
             m.namespace = None
         assert m.report is not None

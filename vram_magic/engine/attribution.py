@@ -51,6 +51,12 @@ class _Walker:
 
     # --- collect -------------------------------------------------------------------------------
     def visit(self, name: str, obj: Any, depth: int, cache: bool = False) -> None:
+        try:
+            self._visit(name, obj, depth, cache)
+        except Exception:  # a user object whose attributes or items raise: skip it, never fail the cell
+            pass
+
+    def _visit(self, name: str, obj: Any, depth: int, cache: bool = False) -> None:
         if id(obj) in self.seen or len(self.seen) > _MAX_OBJECTS:
             return
         self.seen.add(id(obj))
