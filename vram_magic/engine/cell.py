@@ -129,6 +129,10 @@ class Measurement:
             scan_after = scan_namespace(self.namespace, self.registry)
         finally:
             self.registry.on_free = None
+        known = tracker.allocs.keys() | tracker.initial.keys() | tracker.late.keys()
+        for _, entry in self.registry.entries(self.device):
+            if entry.serial not in known:
+                tracker.adopt(entry)
         stats_after = self._stats()
         trace = self._trace(tracker, scan_after)
         after = trace.breakdown_at(len(trace.events)) if not trace.truncated else Breakdown.from_rows(
