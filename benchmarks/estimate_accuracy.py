@@ -18,27 +18,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from zoo import ZOO  # noqa: E402
+from zoo import ZOO, profiled_cpu_peak, train_steps  # noqa: E402
 
 import vram_magic  # noqa: E402
 
 TARGET = 2.0  # per cent
 
 
-def train_steps(model: torch.nn.Module, x: object, steps: int) -> None:
-    opt = torch.optim.AdamW(model.parameters())
-    for _ in range(steps):
-        out = model(x)
-        loss = out.sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del out, loss
-
-
 def profiler_peak(build, make_inputs, steps: int, seed: int = 0) -> int:
     """Peak bytes of everything allocated while building the model and inputs and running the steps."""
-    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(seed)
@@ -47,16 +35,7 @@ def profiler_peak(build, make_inputs, steps: int, seed: int = 0) -> int:
         x = make_inputs()
         train_steps(model, x, steps)
         del model, x
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
-            events.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].total_allocated))
-        stack.extend(node.children)
-    events.sort()
-    base = events[0][2] - events[0][1]
-    return max(total for _, _, total in events) - base
+    return profiled_cpu_peak(prof)
 
 
 def dispatch_peak(build, make_inputs, steps: int, seed: int = 0) -> int:

@@ -18,6 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zoo import profiled_cpu_peak, train_steps  # noqa: E402
+
 WORLD = 2
 BATCH = 32
 
@@ -37,20 +40,6 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def _peak(prof: torch.profiler.profile) -> int:
-    from torch._C._profiler import _EventType
-
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
-            events.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].total_allocated))
-        stack.extend(node.children)
-    events.sort()
-    return max(t for _, _, t in events) - (events[0][2] - events[0][1])
-
-
 def _rank(rank: int, init: str, path: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.profiler import ProfilerActivity, profile
@@ -68,21 +57,13 @@ def _rank(rank: int, init: str, path: str) -> None:
             if isinstance(m, nn.Linear):
                 m.reset_parameters()
         x = torch.randn(BATCH, 256)
-        opt = torch.optim.AdamW(model.parameters())
-        for _ in range(2):
-            out = model(x)
-            loss = out.sum()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del out, loss
+        train_steps(model, x, 2)
     with open(f"{path}.{rank}", "w") as f:
-        f.write(str(_peak(prof)))
+        f.write(str(profiled_cpu_peak(prof)))
     dist.destroy_process_group()
 
 
 def main() -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import vram_magic
 
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3

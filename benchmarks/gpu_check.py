@@ -110,7 +110,7 @@ def estimate_vs_cuda(target: float = 5.0) -> None:
 
 
 def _estimate_one(name: str) -> None:
-    from zoo import ZOO
+    from zoo import ZOO, train_steps
 
     import vram_magic
 
@@ -122,14 +122,7 @@ def _estimate_one(name: str) -> None:
     with torch.device("cuda"):
         model = build()
     x = make_inputs().cuda()
-    opt = torch.optim.AdamW(model.parameters())
-    for _ in range(2):
-        out = model(x)
-        loss = out.sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del out, loss
+    train_steps(model, x, 2)
     torch.cuda.synchronize()
     real = torch.cuda.max_memory_allocated() - base
     print(real, est.peak.total, torch.cuda.max_memory_reserved(), est.reserved)

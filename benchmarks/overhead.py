@@ -26,6 +26,17 @@ class EmptyMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class EmptyModeNoDynamoWrapper(EmptyMode):
+    """As the tracker does: no per-op wrapper that keeps torch.compile out of __torch_dispatch__."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
 def mlp_step_ratios(repeats: int = 40) -> dict[str, float]:
     torch.manual_seed(0)
     layers = []
@@ -49,6 +60,10 @@ def mlp_step_ratios(repeats: int = 40) -> dict[str, float]:
         with EmptyMode():
             step()
 
+    def empty_mode_bare() -> None:
+        with EmptyModeNoDynamoWrapper():
+            step()
+
     def measured() -> None:
         with vram_magic.measure(namespace=ns):
             step()
@@ -57,7 +72,8 @@ def mlp_step_ratios(repeats: int = 40) -> dict[str, float]:
         with vram_magic.measure(namespace=ns, record_sites=False):
             step()
 
-    variants = {"plain": plain, "empty dispatch mode": empty_mode, "measure()": measured,
+    variants = {"plain": plain, "empty dispatch mode": empty_mode,
+                "empty dispatch mode, no dynamo wrapper": empty_mode_bare, "measure()": measured,
                 "measure(record_sites=False)": measured_no_sites}
     for fn in variants.values():  # warm up
         fn()

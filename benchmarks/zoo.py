@@ -122,3 +122,30 @@ ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[[], object]]] = {
     "LSTM+GRU": (LSTMTagger, lambda: torch.randn(16, 64, 128)),
     "ViT": (ViT, lambda: torch.randn(4, 3, 224, 224)),
 }
+
+
+def train_steps(model: nn.Module, x: object, steps: int, opt: torch.optim.Optimizer | None = None) -> None:
+    """The training steps every benchmark compares: forward, sum, backward, AdamW step, zero_grad."""
+    opt = opt if opt is not None else torch.optim.AdamW(model.parameters())
+    for _ in range(steps):
+        out = model(x)
+        loss = out.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del out, loss
+
+
+def profiled_cpu_peak(prof: torch.profiler.profile) -> int:
+    """The highest CPU memory in a profile (``profile_memory=True``) above what was allocated before it."""
+    from torch._C._profiler import _EventType
+
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+            events.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].total_allocated))
+        stack.extend(node.children)
+    events.sort()
+    return max(total for _, _, total in events) - (events[0][2] - events[0][1])
