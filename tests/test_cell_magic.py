@@ -170,9 +170,10 @@ def test_history_is_bounded(shell):
 def test_auto_mode_measures_every_cell(shell):
     run_ok(shell, "import torch")
     run_ok(shell, "%vram auto on")
-    run_ok(shell, "a = torch.zeros(1024)")
-    run_ok(shell, "b = torch.zeros(2048)")
+    first = run_ok(shell, "a = torch.zeros(1024)").execution_count
+    second = run_ok(shell, "b = torch.zeros(2048)").execution_count
     run_ok(shell, "%vram auto off")
+    assert list(shell.run_line_magic("vram", "history")["cell"]) == [first, second]
     run_ok(shell, "c = torch.zeros(4096)")
     frame = shell.run_line_magic("vram", "history")
     assert list(frame["delta"]) == [1024 * F32, 2048 * F32]

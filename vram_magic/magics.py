@@ -227,6 +227,9 @@ class VramMagics(Magics):
     def _post_run_cell(self, result: Any) -> None:
         if self._auto_skip or self.session.active is None:
             return
+        count = getattr(result, "execution_count", None)
+        if count is not None:  # exact here; in pre_run_cell IPython 9 has already counted the next cell
+            self.session.active.cell = count
         report = self.session.finish(result.error_in_exec)
         if report is not None:
             self._show(report)
