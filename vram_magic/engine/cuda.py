@@ -89,8 +89,13 @@ class History:
             snap = torch.cuda.memory._snapshot()
             self.since = len(snap["device_traces"][self.index])
         else:
-            torch.cuda.memory._record_memory_history(
-                enabled="all", context="alloc", stacks="python", max_entries=self.max_entries)
+            record = torch.cuda.memory._record_memory_history
+            try:  # a fresh history: nothing of earlier cells in the trace
+                record(enabled="all", context="alloc", stacks="python", max_entries=self.max_entries,
+                       clear_history=True)
+            except TypeError:  # older PyTorch: no clear_history, so skip what is already there
+                record(enabled="all", context="alloc", stacks="python", max_entries=self.max_entries)
+                self.since = len(torch.cuda.memory._snapshot()["device_traces"][self.index])
             self.ours = True
         return self
 
