@@ -19,15 +19,11 @@ from ..units import format_bytes
 from .frames import user_frames
 from .registry import Entry, LiveStorages, storage_size
 
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 # Allocation phases, stored per allocation.
 CELL, FORWARD, BACKWARD, OPTIMIZER, INFERENCE = 0, 1, 2, 3, 4
 PHASE_NAMES = ("cell", "forward", "backward", "optimizer", "inference")  # inference: forward without grad
-
-
-class BudgetExceeded(Exception):
-    """Internal marker; users see ``torch.OutOfMemoryError``."""
 
 
 class Tracker(TorchDispatchMode):
