@@ -18,7 +18,7 @@ from ..trace import Block, Trace
 from ..units import format_bytes, parse_size
 from . import cuda
 from .attribution import Scan, scan_namespace
-from .frames import is_user_code
+from .frames import is_user_code, resolve
 from .registry import LiveStorages
 from .tracker import BACKWARD, CELL, FORWARD, INFERENCE, OPTIMIZER, PHASE_NAMES, Tracker
 
@@ -274,20 +274,21 @@ def _holder_name(label: str) -> str:
 
 
 class _SiteNamer:
-    """Rewrites the files IPython compiles cells into (``/tmp/ipykernel_…/123.py``) as ``<cell N>``."""
+    """Resolves raw sites (``(code, lasti, …)``) to ``(file, line, function)`` frames, once per distinct site,
+    and names the files IPython compiles cells into (``/tmp/ipykernel_…/123.py``) as ``<cell N>``."""
 
     def __init__(self, cell_files: Mapping[str, int] | None) -> None:
         self.cell_files = cell_files or {}
-        self.done: dict[Any, Any] = {}
+        self.done: dict[int, tuple[tuple[str, int, str], ...]] = {}
 
-    def __call__(self, site: tuple[tuple[str, int, str], ...]) -> tuple[tuple[str, int, str], ...]:
-        if not self.cell_files or not site:
-            return site
-        named = self.done.get(site)
+    def __call__(self, raw: tuple[Any, ...]) -> tuple[tuple[str, int, str], ...]:
+        if not raw:
+            return ()
+        named = self.done.get(id(raw))
         if named is None:
-            named = tuple((f"<cell {self.cell_files[f]}>" if f in self.cell_files else f, line, name)
-                          for f, line, name in site)
-            self.done[site] = named
+            files = self.cell_files
+            named = tuple((f"<cell {files[f]}>" if f in files else f, line, name) for f, line, name in resolve(raw))
+            self.done[id(raw)] = named
         return named
 
 

@@ -6,9 +6,10 @@ import os
 import sys
 import sysconfig
 from types import CodeType, FrameType
+from typing import Any
 
 _OWN_PREFIXES: list[str] = []
-_is_user: dict[CodeType, bool] = {}
+_is_user: dict[int, tuple[bool, CodeType]] = {}
 
 
 def _prefixes() -> list[str]:
@@ -31,36 +32,72 @@ def _prefixes() -> list[str]:
 
 
 def is_user_code(code: CodeType) -> bool:
-    hit = _is_user.get(code)
+    # Keyed by id: hashing a code object hashes its bytecode and constants, too slow for every allocation.
+    # The cache holds the code object itself, so an id is never reused while it is cached.
+    hit = _is_user.get(id(code))
     if hit is None:
         filename = code.co_filename
         if filename.startswith("<frozen") or filename.startswith("<string"):
-            hit = False
+            user = False
         elif filename.startswith("<"):
-            hit = True  # <ipython-input-…>, <timed exec>, …
+            user = True  # <ipython-input-…>, <timed exec>, …
         else:
-            hit = not any(filename.startswith(p) for p in _prefixes())
-        _is_user[code] = hit
-    return hit
+            user = not any(filename.startswith(p) for p in _prefixes())
+        if len(_is_user) > 50_000:
+            _is_user.clear()
+        hit = _is_user[id(code)] = (user, code)
+    return hit[0]
 
 
-def user_frames(frame: FrameType | None, limit: int = 4) -> tuple[tuple[str, int, str], ...]:
-    """Innermost-first ``(filename, line, function)`` of user frames, at most ``limit``.
+def user_frames(frame: FrameType | None, limit: int = 4) -> tuple[Any, ...]:
+    """The user's frames, innermost first, as a flat ``(code, lasti, code, lasti, …)`` tuple (at most
+    ``limit`` frames): cheap to take at every allocation. :func:`resolve` turns it into file, line, function.
 
     Stops at the first frame of the shell that runs the cell (nothing above it is the user's)."""
-    out = []
-    is_user = _is_user.get
-    while frame is not None and len(out) < limit:
+    out: list[Any] = []
+    cached = _is_user.get
+    n = 0
+    while frame is not None and n < limit:
         code = frame.f_code
-        hit = is_user(code)
+        hit = cached(id(code))
         if hit is None:
-            hit = is_user_code(code)
-        if hit:
-            out.append((code.co_filename, frame.f_lineno, code.co_name))
-        elif out and code in _SHELL_CODES:
+            hit = (is_user_code(code),)
+        if hit[0]:
+            out.append(code)
+            out.append(frame.f_lasti)
+            n += 1
+        elif n and id(code) in _SHELL_CODES:
             break
         frame = frame.f_back
     return tuple(out)
+
+
+def site_key(raw: tuple[Any, ...]) -> tuple[int, ...]:
+    """A cheap hashable key for a raw site (code objects hash slowly; their ids are stable while held)."""
+    return tuple(id(x) if i % 2 == 0 else x for i, x in enumerate(raw))
+
+
+_lines: dict[tuple[int, int], int] = {}
+
+
+def _line(code: CodeType, lasti: int) -> int:
+    key = (id(code), lasti)
+    line = _lines.get(key)
+    if line is None:
+        line = code.co_firstlineno
+        for start, end, ln in code.co_lines():
+            if start <= lasti < end:
+                line = ln if ln is not None else line
+                break
+        if len(_lines) > 100_000:
+            _lines.clear()
+        _lines[key] = line
+    return line
+
+
+def resolve(raw: tuple[Any, ...]) -> tuple[tuple[str, int, str], ...]:
+    """``(code, lasti, …)`` → ``((filename, line, function), …)``."""
+    return tuple((raw[i].co_filename, _line(raw[i], raw[i + 1]), raw[i].co_name) for i in range(0, len(raw), 2))
 
 
 def _shell_codes() -> set[CodeType]:
@@ -80,10 +117,10 @@ def _shell_codes() -> set[CodeType]:
     return codes
 
 
-_SHELL_CODES: set[CodeType] = set()
+_SHELL_CODES: set[int] = set()  # ids of functions' code objects: they live as long as the process
 
 
 def refresh_shell_codes() -> None:
     """Learn the shell's cell-running frames (called when a measurement starts in IPython)."""
     if not _SHELL_CODES:
-        _SHELL_CODES.update(_shell_codes())
+        _SHELL_CODES.update(id(c) for c in _shell_codes())

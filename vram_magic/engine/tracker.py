@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..units import format_bytes
-from .frames import user_frames
+from .frames import site_key, user_frames
 from .registry import Entry, LiveStorages, storage_size
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
@@ -61,8 +61,9 @@ class Tracker(TorchDispatchMode):
         self.peak_index = 0
         self.events = array("q")
         self.truncated = False
-        # serial -> (size, phase, site, id of the innermost module whose forward made it, or 0)
-        self.allocs: dict[int, tuple[int, int, tuple[tuple[str, int, str], ...], int]] = {}
+        # serial -> (size, phase, raw site (see frames.user_frames), id of the innermost module whose forward
+        # made it, or 0)
+        self.allocs: dict[int, tuple[int, int, tuple[Any, ...], int]] = {}
         self.oom: dict[str, Any] | None = None
         self._optimizer_depth = 0
         self._modules: list[int] = []  # ids of the modules whose forward is running, innermost last
@@ -72,7 +73,7 @@ class Tracker(TorchDispatchMode):
         self._lookup = registry.get
         # serial -> (category, id of the optimizer) for storages whose role the optimizer step revealed
         self.roles: dict[int, tuple[str, int]] = {}
-        self._sites: dict[tuple[tuple[str, int, str], ...], tuple[tuple[str, int, str], ...]] = {}
+        self._sites: dict[tuple[int, ...], tuple[Any, ...]] = {}  # raw (code, lasti, …) sites, shared
         self._cpu = device == "cpu"
         self._torch_device = torch.device(device)
 
@@ -183,10 +184,10 @@ class Tracker(TorchDispatchMode):
             self.events.append(entry.serial)
         else:
             self.truncated = True
-        site: tuple[tuple[str, int, str], ...] = ()
+        site: tuple[Any, ...] = ()
         if self.record_sites:
             site = user_frames(sys._getframe(4))
-            site = self._sites.setdefault(site, site)  # one tuple per distinct site, however many allocations
+            site = self._sites.setdefault(site_key(site), site)  # one tuple per distinct site
         self.allocs[entry.serial] = (size, self.phase(), site, self._modules[-1] if self._modules else 0)
         if self.current > self.peak:
             self.peak = self.current
