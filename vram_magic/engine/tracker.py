@@ -20,6 +20,8 @@ from .frames import site_key, user_frames
 from .registry import Entry, LiveStorages, storage_size
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+_current_node = torch._C._current_autograd_node
+_grad_enabled = torch.is_grad_enabled
 
 # Allocation phases, stored per allocation.
 CELL, FORWARD, BACKWARD, OPTIMIZER, INFERENCE = 0, 1, 2, 3, 4
@@ -135,10 +137,10 @@ class Tracker(TorchDispatchMode):
     def phase(self) -> int:
         if self._optimizer_depth:
             return OPTIMIZER
-        if torch._C._current_autograd_node() is not None:
+        if _current_node() is not None:
             return BACKWARD
         if self._modules:
-            return FORWARD if torch.is_grad_enabled() else INFERENCE
+            return FORWARD if _grad_enabled() else INFERENCE
         return CELL
 
     # --- events ----------------------------------------------------------------------------------
@@ -188,7 +190,8 @@ class Tracker(TorchDispatchMode):
         if self.record_sites:
             site = user_frames(sys._getframe(4))
             site = self._sites.setdefault(site_key(site), site)  # one tuple per distinct site
-        self.allocs[entry.serial] = (size, self.phase(), site, self._modules[-1] if self._modules else 0)
+        modules = self._modules
+        self.allocs[entry.serial] = (size, self.phase(), site, modules[-1] if modules else 0)
         if self.current > self.peak:
             self.peak = self.current
             self.peak_index = len(self.events)
@@ -236,7 +239,10 @@ class Tracker(TorchDispatchMode):
             return
         entry = self._lookup(id(storage))
         if entry is not None:
-            if self._resizes(func) and entry.device == self.device:  # out=, resize_, set_ can grow it
+            resizes = self._resizing.get(func)
+            if resizes is None:
+                resizes = self._resizes(func)
+            if resizes and entry.device == self.device:  # out=, resize_, set_ can grow it
                 size = storage_size(storage, entry.device)
                 if entry.size != size:
                     self._resized(entry, size)
