@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .report import CATEGORIES, Breakdown
@@ -44,13 +44,7 @@ class Trace:
     base: tuple[tuple[str, str, int], ...] = ()
 
     def alive_at(self, index: int) -> set[int]:
-        alive = set(self.initial)
-        for ev in self.events[:index]:
-            if ev > 0:
-                alive.add(ev)
-            else:
-                alive.discard(-ev)
-        return alive
+        return alive_after(self.initial, self.events, index)
 
     def breakdown_at(self, index: int) -> Breakdown:
         rows: dict[tuple[str, str], int] = {}
@@ -109,6 +103,17 @@ class Trace:
         allocs = [(i, self.blocks[ev]) for i, ev in enumerate(self.events) if ev > 0]
         allocs.sort(key=lambda ib: -ib[1].size)
         return allocs[:top]
+
+
+def alive_after(initial: Iterable[int], events: Sequence[int], index: int) -> set[int]:
+    """The serials alive once the first ``index`` events (``+serial`` alloc, ``-serial`` free) are applied."""
+    alive = set(initial)
+    for ev in events[:index]:
+        if ev > 0:
+            alive.add(ev)
+        else:
+            alive.discard(-ev)
+    return alive
 
 
 def format_frame(frame: Frame) -> str:

@@ -285,10 +285,13 @@ class Tracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if _is_compiling():  # torch.compile tracing: stay out of its graph
             return out
+        self._see_outputs(out, func)
+        return out
+
+    def _see_outputs(self, out: Any, func: Any) -> None:
         if isinstance(out, torch.Tensor):
             self._see(out, func)
         elif isinstance(out, (tuple, list)):
             for o in out:
                 if isinstance(o, torch.Tensor):
                     self._see(o, func)
-        return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..report import Breakdown
+from ..trace import alive_after
 from ..units import parse_size
 from .cuda_model import CudaModel
 from .gpus import GPU, find_gpu
@@ -60,13 +61,7 @@ def replay(trace: StepTrace, sizes: dict[int, int], spikes: dict[int, int],
 
 
 def alive_at(trace: StepTrace, index: int) -> set[int]:
-    alive = set(trace.initial)
-    for ev in trace.events[:index]:
-        if ev > 0:
-            alive.add(ev)
-        else:
-            alive.discard(-ev)
-    return alive
+    return alive_after(trace.initial, trace.events, index)
 
 
 def rows_at(trace: StepTrace, sizes: dict[int, int], index: int) -> dict[tuple[str, str], int]:

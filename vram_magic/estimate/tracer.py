@@ -123,12 +123,7 @@ class StepTracer(Tracker):
             if self.failed_in is None:  # the module hooks unwind before the caller sees the exception
                 self.failed_in = (str(func), self.module() or "(top level)")
             raise
-        if isinstance(out, torch.Tensor):
-            self._see(out, func)
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self._see(o, func)
+        self._see_outputs(out, func)
         packet = func.overloadpacket
         counter = flop_registry.get(packet)
         if counter is not None:
