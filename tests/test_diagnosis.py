@@ -251,3 +251,23 @@ def test_advice_groups_graphs_held_by_one_container(shell):
     (a,) = r.advice
     assert a.kind == "graph" and a.concerns == "losses" and "3 tensors" in a.title
     assert a.saving == r.after.activations == r.delta.activations
+
+
+def test_requested_size_read_from_a_cuda_oom_message():
+    from vram_magic.engine.cuda import requested_bytes
+
+    msg = ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.11 GiB of which "
+           "3.94 MiB is free.")
+    assert requested_bytes(msg) == 20 * MiB
+    assert requested_bytes("Tried to allocate 1.50 GiB") == int(1.5 * 1024**3)
+    assert requested_bytes("something else") is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_budget_limits_the_allocator_and_restores_the_fraction(shell):
+    before = torch.cuda.get_per_process_memory_fraction()
+    result = run(shell, "%%vram -q -o r --device cuda --budget 64MiB\nimport torch\n"
+                        "big = torch.empty(128 * 2**20, dtype=torch.uint8, device='cuda')")
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+    assert shell.user_ns["r"].oom.requested == 128 * MiB
+    assert torch.cuda.get_per_process_memory_fraction() == before

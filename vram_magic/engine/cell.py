@@ -100,8 +100,12 @@ class Measurement:
             initial[entry.serial] = entry.size
         self._before_rows, self._before_owner = rows, owner
         self._history = None
-        if self.device.startswith("cuda") and self.record_sites:
-            self._history = cuda.History(self.device).start()
+        self._fraction = None
+        if self.device.startswith("cuda"):
+            if self.record_sites:
+                self._history = cuda.History(self.device).start()
+            if self.budget is not None:  # the allocator itself stops at the budget, as a smaller GPU would
+                self._fraction = cuda.Fraction(self.device, self.budget).__enter__()
         self._tracker = Tracker(self.registry, self.device, budget=self.budget, record_sites=self.record_sites,
                                 initial=initial)
         self._t0 = time.perf_counter()
@@ -114,6 +118,8 @@ class Measurement:
         assert tracker is not None
         tracker.__exit__(exc_type, exc, tb)
         wall = time.perf_counter() - self._t0
+        if self._fraction is not None:
+            self._fraction.__exit__()
         self._history_peak = None
         if self._history is not None:
             self._history_peak = self._history.cell_peak(self._history.stop())
@@ -238,6 +244,8 @@ class Measurement:
 
     def _oom_info(self, tracker: Tracker, trace: Trace, index: int, exc: BaseException | None) -> OomInfo:
         info = tracker.oom or {}
+        if not info and exc is not None:  # raised by the CUDA allocator itself, not by the tracker's budget
+            info = {"requested": cuda.requested_bytes(str(exc))}
         live = trace.breakdown_at(index)
         names = tracker.oom_holders
         holders: dict[str, int] = {}

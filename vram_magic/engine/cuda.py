@@ -110,3 +110,38 @@ class History:
         from ..snapshot import replay
 
         return replay(snapshot, self.index, self.since)[1]
+
+
+class Fraction:
+    """``--budget`` on CUDA: the caching allocator limited to ``budget`` bytes of the device for one cell
+    (``set_per_process_memory_fraction``), and the user's own fraction put back afterwards."""
+
+    def __init__(self, device: str, budget: int) -> None:
+        self.index = int(device.split(":")[1])
+        self.budget = budget
+        self.previous: float | None = None
+
+    def __enter__(self) -> Fraction:
+        total = torch.cuda.get_device_properties(self.index).total_memory
+        getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        self.previous = float(getter(self.index)) if getter is not None else 1.0
+        torch.cuda.set_per_process_memory_fraction(min(self.budget / total, 1.0), self.index)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.cuda.set_per_process_memory_fraction(self.previous if self.previous is not None else 1.0, self.index)
+
+
+def requested_bytes(message: str) -> int | None:
+    """The size in a CUDA OOM message: ``Tried to allocate 20.00 MiB``."""
+    import re
+
+    from ..units import parse_size
+
+    match = re.search(r"Tried to allocate ([0-9.]+) ?([KMGT]i?B)", message)
+    if match is None:
+        return None
+    try:
+        return parse_size(match.group(1) + match.group(2))
+    except ValueError:
+        return None
