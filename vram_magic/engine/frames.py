@@ -74,7 +74,7 @@ def user_frames(frame: FrameType | None, limit: int = 4) -> tuple[Any, ...]:
 
 def site_key(raw: tuple[Any, ...]) -> tuple[int, ...]:
     """A cheap hashable key for a raw site (code objects hash slowly; their ids are stable while held)."""
-    return tuple(id(x) if i % 2 == 0 else x for i, x in enumerate(raw))
+    return (*map(id, raw[::2]), *raw[1::2])
 
 
 _lines: dict[tuple[int, int], int] = {}
