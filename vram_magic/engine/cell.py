@@ -136,11 +136,13 @@ class Measurement:
         finally:
             self.registry.on_free = None
         known = tracker.allocs.keys() | tracker.initial.keys() | tracker.late.keys()
-        for _, entry in self.registry.entries(self.device):
+        alive: dict[int, int] = {}  # serial -> key of every storage alive now
+        for key, entry in self.registry.entries(self.device):
+            alive[entry.serial] = key
             if entry.serial not in known:
                 tracker.adopt(entry)
         stats_after = self._stats()
-        trace = self._trace(tracker, scan_after)
+        trace = self._trace(tracker, scan_after, alive)
         after = trace.breakdown_at(len(trace.events)) if not trace.truncated else Breakdown.from_rows(
             self._rows(scan_after, tracker.allocs))
         peak = trace.breakdown_at(trace.peak_index)
@@ -190,9 +192,8 @@ class Measurement:
             rows[cat] = rows.get(cat, 0) + entry.size
         return rows
 
-    def _trace(self, tracker: Tracker, scan_after: Scan) -> Trace:
+    def _trace(self, tracker: Tracker, scan_after: Scan, alive: Mapping[int, int]) -> Trace:
         blocks: dict[int, Block] = {}
-        alive = {e.serial: key for key, e in self.registry.entries(self.device)}
         freed = {-ev for ev in tracker.events if ev < 0}
         base: dict[tuple[str, str], int] = {}
         initial = []
@@ -234,7 +235,7 @@ class Measurement:
             after = _add_other(after, "allocator: workspaces and untracked", extra)
         alloc_peak = self._history_peak
         if alloc_peak is None:
-            alloc_peak = cuda.cell_peak(self._stats_before, stats)
+            alloc_peak = cuda.peak_if_risen(self._stats_before, stats)
         if alloc_peak is not None and alloc_peak > peak.total:
             peak = _add_other(peak, "allocator: kernel scratch and untracked", alloc_peak - peak.total)
         elif alloc_peak is None:

@@ -56,7 +56,7 @@ def capacity(device: str) -> int | None:
     return None
 
 
-def cell_peak(before: DeviceStats | None, after: DeviceStats | None) -> int | None:
+def peak_if_risen(before: DeviceStats | None, after: DeviceStats | None) -> int | None:
     """The allocator's peak during the cell without resetting the user's peak counter.
 
     If the global peak rose during the cell, the new global peak *is* the cell's peak. If it did not, the

@@ -90,9 +90,6 @@ class LiveStorages:
             if device is None or entry.device == device:
                 yield key, entry
 
-    def live_bytes(self, device: str) -> int:
-        return sum(e.size for e in self._entries.values() if e.device == device)
-
     def clear(self) -> None:
         """Forget everything (the weakrefs die with their entries, so no callback fires later)."""
         self.on_free = None

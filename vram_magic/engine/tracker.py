@@ -56,7 +56,6 @@ class Tracker(TorchDispatchMode):
             initial = {e.serial: e.size for _, e in registry.entries(device)}
         self.initial = initial
         self.current = sum(initial.values())
-        self.baseline = self.current
         self.late: dict[int, int] = {}
         self.oom_holders: dict[int, str] = {}  # serial -> "x in f" for the locals alive at an OOM
         self.peak = self.current
@@ -228,7 +227,6 @@ class Tracker(TorchDispatchMode):
         entry = self.registry.add(storage)
         self.late[entry.serial] = entry.size
         self.current += entry.size
-        self.baseline += entry.size
         self.peak += entry.size
 
     def _see(self, t: torch.Tensor, func: Any) -> None:

@@ -85,9 +85,6 @@ def oom_text(report: CellReport) -> str:
     return "\n".join(parts)
 
 
-def history_line(report: CellReport) -> str:
-    return f"cell {report.cell}: after {format_bytes(report.after.total)}, peak {format_bytes(report.peak.total)}"
-
 
 def now_text(now: object) -> str:
     from ..session import MemoryNow
