@@ -1,8 +1,11 @@
 """What measuring costs, side by side in one run (these machines are noisy: compare ratios, not times).
 
-    python benchmarks/overhead.py
+    python benchmarks/overhead.py [--rounds N]
 
-Wall time and this process's CPU time are both printed: on a loaded machine the CPU-time ratio is the steadier.
+Every variant runs once per round, in the same order, and each is compared with the plain run *of its own
+round*: the figure printed is the median over rounds of those paired ratios (or differences), so a slow
+stretch of the machine hits both sides of a pair. The ratio of the fastest runs (min/min) is printed beside it:
+the least-disturbed comparison. Wall time and this process's CPU time are both shown.
 
 1. A CPU training step of a 6 x Linear(1024, 1024) MLP, batch 128: unmeasured, under an empty Python
    dispatch mode, inside ``vram_magic.measure()`` with and without allocation sites. Target: measured <= x1.10.
@@ -12,8 +15,11 @@ Wall time and this process's CPU time are both printed: on a loaded machine the 
 
 from __future__ import annotations
 
+import argparse
+import operator
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,7 +43,27 @@ class EmptyModeNoDynamoWrapper(EmptyMode):
         return func(*args, **(kwargs or {}))
 
 
-def mlp_step_ratios(repeats: int = 40) -> dict[str, float]:
+def _rounds(variants: dict[str, Callable[[], object]], rounds: int) -> tuple[dict, dict]:
+    """Wall and CPU seconds of each variant, one run of each per round, in the same order every round."""
+    for fn in variants.values():  # warm up
+        fn()
+        fn()
+    wall: dict[str, list[float]] = {k: [] for k in variants}
+    cpu: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+    return wall, cpu
+
+
+def _paired(xs: list[float], base: list[float], op: Callable[[float, float], float]) -> float:
+    return statistics.median(op(x, b) for x, b in zip(xs, base))
+
+
+def mlp_step_ratios(rounds: int = 80) -> dict[str, float]:
     torch.manual_seed(0)
     layers = []
     for _ in range(6):
@@ -75,27 +101,21 @@ def mlp_step_ratios(repeats: int = 40) -> dict[str, float]:
     variants = {"plain": plain, "empty dispatch mode": empty_mode,
                 "empty dispatch mode, no dynamo wrapper": empty_mode_bare, "measure()": measured,
                 "measure(record_sites=False)": measured_no_sites}
-    for fn in variants.values():  # warm up
-        fn()
-        fn()
-    wall: dict[str, list[float]] = {k: [] for k in variants}
-    cpu: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():  # interleaved, so drift hits all alike
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            wall[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
+    wall, cpu = _rounds(variants, rounds)
+    ratio = operator.truediv
     out = {"plain step, wall median (ms)": statistics.median(wall["plain"]) * 1000,
            "plain step, CPU median (ms)": statistics.median(cpu["plain"]) * 1000}
     for name in variants:
         if name != "plain":
-            out[f"{name}: wall ratio"] = statistics.median(wall[name]) / statistics.median(wall["plain"])
-            out[f"{name}: CPU-time ratio"] = statistics.median(cpu[name]) / statistics.median(cpu["plain"])
+            out[f"{name}: wall ratio"] = _paired(wall[name], wall["plain"], ratio)
+            out[f"{name}: CPU-time ratio"] = _paired(cpu[name], cpu["plain"], ratio)
+            out[f"{name}: fastest/fastest"] = min(wall[name]) / min(wall["plain"])
+    out["measure() / empty dispatch mode: wall ratio"] = _paired(wall["measure()"], wall["empty dispatch mode"],
+                                                                 ratio)
     return out
 
 
-def empty_cell_overhead(modules: int = 300, repeats: int = 60) -> dict[str, float]:
+def empty_cell_overhead(modules: int = 300, rounds: int = 80) -> dict[str, float]:
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
@@ -104,34 +124,29 @@ def empty_cell_overhead(modules: int = 300, repeats: int = 60) -> dict[str, floa
     sh.run_cell(f"import torch\nmods = None\nfor i in range({modules}):\n"
                 "    globals()[f'm{i}'] = torch.nn.Linear(16, 16)")
     cells = {"plain": "pass", "%%vram -q": "%%vram -q\npass", "%%vram (displayed)": "%%vram\npass"}
-    wall: dict[str, list[float]] = {k: [] for k in cells}
-    cpu: dict[str, list[float]] = {k: [] for k in cells}
     with capture_output():
-        for src in cells.values():
-            sh.run_cell(src)
-        for _ in range(repeats):
-            for name, src in cells.items():
-                t0, c0 = time.perf_counter(), time.process_time()
-                sh.run_cell(src)
-                wall[name].append(time.perf_counter() - t0)
-                cpu[name].append(time.process_time() - c0)
+        wall, cpu = _rounds({name: (lambda src=src: sh.run_cell(src)) for name, src in cells.items()}, rounds)
     out = {}
+    extra = operator.sub
     for name in cells:
         if name != "plain":
-            base_wall, base_cpu = statistics.median(wall["plain"]), statistics.median(cpu["plain"])
-            out[f"{name}: extra wall (ms)"] = (statistics.median(wall[name]) - base_wall) * 1000
-            out[f"{name}: extra CPU time (ms)"] = (statistics.median(cpu[name]) - base_cpu) * 1000
+            out[f"{name}: extra wall (ms)"] = _paired(wall[name], wall["plain"], extra) * 1000
+            out[f"{name}: extra CPU time (ms)"] = _paired(cpu[name], cpu["plain"], extra) * 1000
+            out[f"{name}: fastest - fastest (ms)"] = (min(wall[name]) - min(wall["plain"])) * 1000
     return out
 
 
 def main() -> None:
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print("1. MLP training step (6 x Linear(1024, 1024), batch 128, SGD momentum), median of 40, interleaved")
-    for k, v in mlp_step_ratios().items():
-        print(f"   {k:<46} {v:8.3f}")
-    print("2. empty cell, 300 modules in the namespace, median of 60, interleaved")
-    for k, v in empty_cell_overhead().items():
-        print(f"   {k:<46} {v:8.2f}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=80, help="runs of each variant (default 80)")
+    rounds = parser.parse_args().rounds
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rounds} rounds")
+    print("1. MLP training step (6 x Linear(1024, 1024), batch 128, SGD momentum): median of paired ratios")
+    for k, v in mlp_step_ratios(rounds).items():
+        print(f"   {k:<52} {v:8.3f}")
+    print("2. empty cell, 300 modules in the namespace: median of paired differences")
+    for k, v in empty_cell_overhead(rounds=rounds).items():
+        print(f"   {k:<52} {v:8.2f}")
 
 
 if __name__ == "__main__":

@@ -250,6 +250,30 @@ def test_measure_api_without_ipython():
     assert "parameters" in str(m)
 
 
+def test_measure_blocks_in_sequence_and_nested():
+    import vram_magic
+
+    lin = torch.nn.Linear(100, 100)
+    ns = {"lin": lin}
+    for _ in range(2):  # the second block finds the storages the first one registered: same figures
+        with vram_magic.measure(namespace=ns) as m:
+            y = torch.ones(1000) * 2  # a 4,000-byte temporary and the 4,000-byte result
+        assert m.before.parameters == (100 * 100 + 100) * F32
+        assert m.peak.total - m.before.total == 8000
+        assert m.after.total - m.before.total == 4000
+        del y
+    with vram_magic.measure(namespace=ns) as outer:
+        a = torch.ones(1000)
+        with vram_magic.measure(namespace=ns) as inner:  # a block inside a block: both count
+            b = torch.ones(2000)
+        del a
+    assert inner.before.parameters == (100 * 100 + 100) * F32
+    assert inner.after.total - inner.before.total == inner.peak.total - inner.before.total == 8000
+    assert outer.peak.total - outer.before.total == 12000
+    assert outer.after.total - outer.before.total == 8000
+    assert b.numel() == 2000 and torch._C._len_torch_dispatch_stack() == 0
+
+
 def test_gradients_freed_in_the_same_cell_stay_gradients_at_the_peak(shell):
     run_ok(shell, BUILD)
     run_ok(shell, "%%vram -q -o r\nloss = model(x).sum()\nloss.backward()\nopt.step()\n"

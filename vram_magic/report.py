@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class Breakdown(Mapping[str, int]):
         sums = dict.fromkeys(CATEGORIES, 0)
         for (cat, _), n in rows.items():
             sums[cat] += n
-        detail = tuple(sorted(((c, lab, n) for (c, lab), n in rows.items() if n), key=lambda r: -r[2]))
+        detail = tuple(sorted([(c, lab, n) for (c, lab), n in rows.items() if n], key=itemgetter(2), reverse=True))
         return cls(**sums, detail=detail)
 
     def as_dict(self) -> dict[str, int]:

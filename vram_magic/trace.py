@@ -5,15 +5,16 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .report import CATEGORIES, Breakdown
 
 Frame = tuple[str, int, str]  # (filename, line, function)
 
 
-@dataclass(frozen=True)
-class Block:
-    """One storage seen during the cell (or alive when it started)."""
+class Block(NamedTuple):
+    """One storage seen during the cell (or alive when it started). A named tuple: a cell makes one per
+    allocation, and tuples are built several times faster than frozen dataclasses."""
 
     serial: int
     size: int

@@ -25,6 +25,35 @@ _INPUT_CACHE = re.compile(r"^_i+\d*$")
 _MAX_OBJECTS = 20_000
 _MAX_ITEMS = 1_000
 
+# What the walker does with an object, decided once per type (isinstance chains are slow for many objects).
+_TENSOR, _MODULE, _OPTIMIZER, _SKIP, _MAPPING, _SEQUENCE, _OBJECT = range(7)
+_kinds: dict[type, int] = {}
+
+
+def _kind(cls: type) -> int:
+    kind = _kinds.get(cls)
+    if kind is None:
+        if issubclass(cls, torch.Tensor):
+            kind = _TENSOR
+        elif issubclass(cls, torch.nn.Module):
+            kind = _MODULE
+        elif issubclass(cls, torch.optim.Optimizer):
+            kind = _OPTIMIZER
+        elif issubclass(cls, (str, bytes, int, float, complex, bool, type, type(None), set, frozenset)):
+            kind = _SKIP
+        elif issubclass(cls, Mapping):
+            kind = _MAPPING
+        elif issubclass(cls, (list, tuple)):
+            kind = _SEQUENCE
+        elif cls.__module__.startswith("vram_magic") or cls.__module__ == "builtins":
+            kind = _SKIP
+        else:
+            kind = _OBJECT
+        if len(_kinds) > 10_000:
+            _kinds.clear()
+        _kinds[cls] = kind
+    return kind
+
 
 @dataclass
 class Scan:
@@ -60,27 +89,26 @@ class _Walker:
         if id(obj) in self.seen or len(self.seen) > _MAX_OBJECTS:
             return
         self.seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
+        kind = _kind(type(obj))
+        if kind == _TENSOR:
             (self.cache_tensors if cache else self.tensors).append((name, obj))
-        elif isinstance(obj, torch.nn.Module):
+        elif kind == _MODULE:
             self.modules.append((name, obj))
-        elif isinstance(obj, torch.optim.Optimizer):
+        elif kind == _OPTIMIZER:
             self.optimizers.append((name, obj))
-        elif depth <= 0 or isinstance(obj, (str, bytes, int, float, complex, bool, type, type(None))):
+        elif depth <= 0 or kind == _SKIP:
             return
-        elif isinstance(obj, Mapping):
+        elif kind == _MAPPING:
             for i, (k, v) in enumerate(obj.items()):
                 if i >= _MAX_ITEMS:
                     break
                 self.visit(f"{name}[{k!r}]", v, depth - 1, cache)
-        elif isinstance(obj, (list, tuple)):
+        elif kind == _SEQUENCE:
             for i, v in enumerate(obj[:_MAX_ITEMS]):
                 self.visit(f"{name}[{i}]", v, depth - 1, cache)
-        elif isinstance(obj, (set, frozenset)) or type(obj).__module__.startswith("vram_magic"):
-            return
         else:
             d = getattr(obj, "__dict__", None)
-            if isinstance(d, dict) and not callable(obj) and type(obj).__module__ != "builtins":
+            if isinstance(d, dict) and not callable(obj):
                 for k, v in list(d.items())[:_MAX_ITEMS]:
                     self.visit(f"{name}.{k}", v, depth - 1, cache)
 
@@ -100,10 +128,13 @@ class _Walker:
                 self.scan.holders[key] = holder
         return key
 
-    def _claim_all(self, items: Iterable[tuple[Any, str]], category: str, prefix: str = "") -> None:
-        """``claim`` for many ``(tensor, holder)`` pairs (the scan's hot loop: parameters of big models)."""
+    def _claim_all(self, items: Iterable[tuple[Any, str]], category: str, prefix: str = "",
+                   grads: list[tuple[Any, str]] | None = None) -> None:
+        """``claim`` for many ``(tensor, holder)`` pairs (the scan's hot loop: parameters of big models).
+        ``grads``: collects the ``.grad`` of each tensor on the way."""
         reg_get, reg_add = self.registry.get, self.registry.add
         owner, holders = self.scan.owner, self.scan.holders
+        labels: dict[str, tuple[str, str]] = {}
         for t, name in items:
             try:
                 storage = t.untyped_storage()
@@ -113,8 +144,15 @@ class _Walker:
             if reg_get(key) is None:
                 reg_add(storage)
             if key not in owner:
-                owner[key] = (category, prefix + name)
+                label = labels.get(name)
+                if label is None:
+                    label = labels[name] = (category, prefix + name)
+                owner[key] = label
                 holders[key] = name
+            if grads is not None:
+                g = t.grad
+                if g is not None:
+                    grads.append((g, name))
 
     def assign(self) -> Scan:
         names = self.scan.module_names
@@ -125,17 +163,17 @@ class _Walker:
             subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
             for subname, sub in subs:
                 names.setdefault(id(sub), subname)
-                for p in sub._parameters.values():
-                    if p is not None:
-                        params.append((p, name))
-                for b in sub._buffers.values():
-                    if b is not None:
-                        buffers.append((b, name))
+                ps, bs = sub._parameters, sub._buffers
+                if ps:
+                    params.extend((p, name) for p in ps.values() if p is not None)
+                if bs:
+                    buffers.extend((b, name) for b in bs.values() if b is not None)
         for name, opt in self.optimizers:
             self.scan.optimizer_names.setdefault(id(opt), name)
             params.extend((p, name) for group in opt.param_groups for p in group.get("params", ()))
-        self._claim_all(params, "parameters")
-        self._claim_all(((p.grad, name) for p, name in params if p.grad is not None), "gradients")
+        grads: list[tuple[Any, str]] = []
+        self._claim_all(params, "parameters", grads=grads)
+        self._claim_all(grads, "gradients")
         for name, opt in self.optimizers:
             for state in opt.state.values():
                 if isinstance(state, Mapping):
@@ -167,10 +205,17 @@ def scan_namespace(namespace: Mapping[str, Any] | None, registry: LiveStorages, 
             for k, v in list(out.items()):
                 walker.visit(f"_{k}", v, depth, cache=True)
         for name, value in items:
-            if name in _IPYTHON_NAMES or _INPUT_CACHE.match(name) or name.startswith("__"):
+            if name in _IPYTHON_NAMES:
                 continue
-            if _OUTPUT_CACHE.match(name):
-                walker.visit(name, value, depth, cache=True)
+            if name[:1] == "_":  # IPython's caches and dunder names all start with one
+                if name.startswith("__") or _INPUT_CACHE.match(name):
+                    continue
+                if _OUTPUT_CACHE.match(name):
+                    walker.visit(name, value, depth, cache=True)
+                    continue
+            if _kind(type(value)) == _MODULE and id(value) not in walker.seen:  # the common case, inline
+                walker.seen.add(id(value))
+                walker.modules.append((name, value))
                 continue
             walker.visit(name, value, depth)
     return walker.assign()

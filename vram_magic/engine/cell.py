@@ -35,6 +35,18 @@ PHASE_CATEGORY = {
 }
 
 
+_shared_registry = LiveStorages()
+
+
+def _default_registry() -> LiveStorages:
+    """The registry of ``measure()`` blocks run outside a session: one for the process, so storages seen by
+    an earlier block are not registered again (weakrefs only; entries leave with their storages). A block
+    measured inside another gets its own, as the outer one is listening to the shared one."""
+    if _shared_registry.on_free is None:
+        return _shared_registry
+    return LiveStorages()
+
+
 class Measurement:
     """``with measure() as m: ...`` — after the block, ``m.report`` (and ``m.before``, ``m.peak``, …) hold
     the result. Attribute access is forwarded to the report, so ``m`` reads like one.
@@ -57,7 +69,8 @@ class Measurement:
         self.namespace = namespace
         self.budget = parse_size(budget) if budget is not None else None
         self.previous = previous
-        self.registry = registry if registry is not None else LiveStorages()
+        # None: chosen when the block starts (see _default_registry)
+        self.registry: LiveStorages = registry  # type: ignore[assignment]
         self.record_sites = record_sites
         self.cell = cell
         self.source = source
@@ -87,17 +100,21 @@ class Measurement:
 
     # --- measuring -------------------------------------------------------------------------------
     def __enter__(self) -> Measurement:
+        if self.registry is None:
+            self.registry = _default_registry()
         self._stats_before = self._stats()
         self._scan_before = scan = scan_namespace(self.namespace, self.registry)
         # one pass over what is alive: the split before, who owned what, and the tracker's starting point
         rows: dict[tuple[str, str], int] = {}
         owner: dict[int, tuple[str, str]] = {}
         initial: dict[int, int] = {}
+        category = scan.owner.get
         for key, entry in self.registry.entries(self.device):
-            cat = scan.category(key)
-            rows[cat] = rows.get(cat, 0) + entry.size
+            cat = category(key, _UNATTRIBUTED)
+            size = entry.size
+            rows[cat] = rows.get(cat, 0) + size
+            initial[entry.serial] = size
             owner[entry.serial] = cat
-            initial[entry.serial] = entry.size
         self._before_rows, self._before_owner = rows, owner
         self._history = None
         self._fraction = None
@@ -135,17 +152,18 @@ class Measurement:
             scan_after = scan_namespace(self.namespace, self.registry)
         finally:
             self.registry.on_free = None
-        known = tracker.allocs.keys() | tracker.initial.keys() | tracker.late.keys()
+        allocs, initial, late = tracker.allocs, tracker.initial, tracker.late
         alive: dict[int, int] = {}  # serial -> key of every storage alive now
         for key, entry in self.registry.entries(self.device):
-            alive[entry.serial] = key
-            if entry.serial not in known:
+            serial = entry.serial
+            alive[serial] = key
+            if serial not in initial and serial not in allocs and serial not in late:
                 tracker.adopt(entry)
         stats_after = self._stats()
         trace = self._trace(tracker, scan_after, alive)
         after = trace.breakdown_at(len(trace.events)) if not trace.truncated else Breakdown.from_rows(
             self._rows(scan_after, tracker.allocs))
-        peak = trace.breakdown_at(trace.peak_index)
+        peak = after if trace.peak_index == len(trace.events) else trace.breakdown_at(trace.peak_index)
         if tracker.truncated:
             notes.append("history was truncated after 2,000,000 events; the peak split is approximate")
         before_rows = dict(self._before_rows)
@@ -197,17 +215,18 @@ class Measurement:
         freed = {-ev for ev in tracker.events if ev < 0}
         base: dict[tuple[str, str], int] = {}
         initial = []
-        for serial, size in {**tracker.initial, **tracker.late}.items():
-            key = alive.get(serial)
-            if key is not None:
-                cat = scan_after.category(key)
-            else:
-                cat = self._before_owner.get(serial, ("other", "unattributed"))
-            if serial in freed or key is None:
-                blocks[serial] = Block(serial, size, cat[0], cat[1])
-                initial.append(serial)
-            else:  # alive throughout: a constant, summed
-                base[cat] = base.get(cat, 0) + size
+        category = scan_after.owner.get
+        for start in (tracker.initial, tracker.late):
+            for serial, size in start.items():
+                key = alive.get(serial)
+                if key is None or serial in freed:
+                    cat = category(key, _UNATTRIBUTED) if key is not None else \
+                        self._before_owner.get(serial, _UNATTRIBUTED)
+                    blocks[serial] = Block(serial, size, cat[0], cat[1])
+                    initial.append(serial)
+                else:  # alive throughout: a constant, summed
+                    cat = category(key, _UNATTRIBUTED)
+                    base[cat] = base.get(cat, 0) + size
         names = {**self._scan_before.module_names, **scan_after.module_names}
         sites = _SiteNamer(self.cell_files)
         optimizers = {**self._scan_before.optimizer_names, **scan_after.optimizer_names}
@@ -270,6 +289,7 @@ class Measurement:
         )
 
 
+_UNATTRIBUTED = ("other", "unattributed")
 _NOT_VARIABLES = {label for _, label in PHASE_CATEGORY.values()} | {"unattributed", ""}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 
@@ -85,10 +85,12 @@ class LiveStorages:
     def next_serial(self) -> int:
         return next(self._serials)
 
-    def entries(self, device: str | None = None) -> Iterator[tuple[int, Entry]]:
-        for key, entry in list(self._entries.items()):
-            if device is None or entry.device == device:
-                yield key, entry
+    def entries(self, device: str | None = None) -> list[tuple[int, Entry]]:
+        """``(key, entry)`` of the live storages (of one device), as a list: safe to iterate while frees
+        remove entries."""
+        if device is None:
+            return list(self._entries.items())
+        return [kv for kv in list(self._entries.items()) if kv[1].device == device]
 
     def clear(self) -> None:
         """Forget everything (the weakrefs die with their entries, so no callback fires later)."""

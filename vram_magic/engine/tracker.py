@@ -281,9 +281,15 @@ class Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if _is_compiling():  # torch.compile tracing: stay out of its graph
+        # torch.compile tracing: stay out of its graph
+        if _is_compiling():
             return out
-        self._see_outputs(out, func)
+        if isinstance(out, torch.Tensor):  # most ops: one tensor (the general case is _see_outputs)
+            self._see(out, func)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self._see(o, func)
         return out
 
     def _see_outputs(self, out: Any, func: Any) -> None:
