@@ -7,7 +7,6 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -18,7 +17,7 @@ from ..trace import Block, Trace
 from ..units import format_bytes, parse_size
 from . import cuda
 from .attribution import Scan, scan_namespace
-from .frames import is_user_code, resolve
+from .frames import is_user_code, resolve_site
 from .registry import LiveStorages
 from .tracker import BACKWARD, CELL, FORWARD, INFERENCE, OPTIMIZER, PHASE_NAMES, Tracker
 
@@ -193,7 +192,9 @@ class Measurement:
             source=self.source,
             trace=trace,
         )
-        self.report = replace(report, advice=tuple(advise(report)))
+        # the report is not shared yet: set its advice in place (dataclasses.replace would build it twice)
+        object.__setattr__(report, "advice", tuple(advise(report)))
+        self.report = report
         self._tracker = None
         self.namespace = None  # may be a live frame's namespace: hold nothing after the block
 
@@ -230,17 +231,19 @@ class Measurement:
         names = {**self._scan_before.module_names, **scan_after.module_names}
         sites = _SiteNamer(self.cell_files)
         optimizers = {**self._scan_before.optimizer_names, **scan_after.optimizer_names}
+        roles = tracker.roles
+        phase_names = PHASE_NAMES
         for serial, (size, phase, site, module) in tracker.allocs.items():
             key = alive.get(serial)
-            if key is not None:
-                cat = _category(scan_after, key, phase)
-            elif serial in tracker.roles:  # freed in the cell, but the optimizer step saw what it was
-                role, owner = tracker.roles[serial]
-                cat = (role, optimizers.get(owner, "optimizer"))
-            else:
-                cat = PHASE_CATEGORY[phase]
-            blocks[serial] = Block(serial, size, cat[0], cat[1], site=sites(site), phase=PHASE_NAMES[phase],
-                                   module=names.get(module, "") if module else "")
+            cat = category(key) if key is not None else None
+            if cat is None:
+                if key is None and serial in roles:  # freed in the cell, but the optimizer step saw what it was
+                    role, owner = roles[serial]
+                    cat = (role, optimizers.get(owner, "optimizer"))
+                else:
+                    cat = PHASE_CATEGORY[phase]
+            blocks[serial] = Block(serial, size, cat[0], cat[1], 0, sites(site) if site else (), phase_names[phase],
+                                   names.get(module, "") if module else "")
         return Trace(self.device, blocks, tuple(initial), tracker.events, tracker.peak_index, tracker.truncated,
                      base=tuple((c, lab, n) for (c, lab), n in base.items()))
 
@@ -316,7 +319,8 @@ class _SiteNamer:
         named = self.done.get(id(raw))
         if named is None:
             files = self.cell_files
-            named = tuple((f"<cell {files[f]}>" if f in files else f, line, name) for f, line, name in resolve(raw))
+            named = tuple((f"<cell {files[f]}>" if f in files else f, line, name)
+                          for f, line, name in resolve_site(raw))
             self.done[id(raw)] = named
         return named
 

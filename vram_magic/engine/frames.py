@@ -49,32 +49,57 @@ def is_user_code(code: CodeType) -> bool:
     return hit[0]
 
 
-def user_frames(frame: FrameType | None, limit: int = 4) -> tuple[Any, ...]:
-    """The user's frames, innermost first, as a flat ``(code, lasti, code, lasti, …)`` tuple (at most
-    ``limit`` frames): cheap to take at every allocation. :func:`resolve` turns it into file, line, function.
+# Raw sites interned for the process, keyed by ``(id(code), lasti, …)``: one tuple per distinct site, so what is
+# derived from a site (its lines) is worked out once, not once per allocation or per cell.
+_sites: dict[tuple[int, ...], tuple[Any, ...]] = {}
+_resolved: dict[int, tuple[tuple[Any, ...], tuple[tuple[str, int, str], ...]]] = {}
+
+
+def user_site(frame: FrameType | None, limit: int = 4) -> tuple[Any, ...]:
+    """The user's frames, innermost first, as a flat ``(code, lasti, code, lasti, …)`` tuple (at most ``limit``
+    frames): cheap enough to take at every allocation; :func:`resolve` turns it into file, line, function.
+    Interned: the same site gives the same tuple (code objects hash slowly, so the key is built from their
+    ids while walking — stable, as the tuple holds the codes).
 
     Stops at the first frame of the shell that runs the cell (nothing above it is the user's)."""
-    out: list[Any] = []
+    key: list[int] = []
+    raw: list[Any] = []
     cached = _is_user.get
     n = 0
     while frame is not None and n < limit:
         code = frame.f_code
-        hit = cached(id(code))
+        cid = id(code)
+        hit = cached(cid)
         if hit is None:
             hit = (is_user_code(code),)
         if hit[0]:
-            out.append(code)
-            out.append(frame.f_lasti)
+            lasti = frame.f_lasti
+            key.append(cid)
+            key.append(lasti)
+            raw.append(code)
+            raw.append(lasti)
             n += 1
-        elif n and id(code) in _SHELL_CODES:
+        elif n and cid in _SHELL_CODES:
             break
         frame = frame.f_back
-    return tuple(out)
+    k = tuple(key)
+    site = _sites.get(k)
+    if site is None:
+        if len(_sites) > 100_000:
+            _sites.clear()
+            _resolved.clear()
+        site = _sites[k] = tuple(raw)
+    return site
 
 
-def site_key(raw: tuple[Any, ...]) -> tuple[int, ...]:
-    """A cheap hashable key for a raw site (code objects hash slowly; their ids are stable while held)."""
-    return (*map(id, raw[::2]), *raw[1::2])
+def resolve_site(raw: tuple[Any, ...]) -> tuple[tuple[str, int, str], ...]:
+    """:func:`resolve`, remembered per site tuple (checked by identity, so a recycled id is never trusted)."""
+    hit = _resolved.get(id(raw))
+    if hit is not None and hit[0] is raw:
+        return hit[1]
+    frames = resolve(raw)
+    _resolved[id(raw)] = (raw, frames)
+    return frames
 
 
 _lines: dict[tuple[int, int], int] = {}

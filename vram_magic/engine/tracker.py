@@ -16,11 +16,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..units import format_bytes
-from .frames import site_key, user_frames
+from .frames import user_site
 from .registry import Entry, LiveStorages, storage_size
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 _current_node = torch._C._current_autograd_node
+_loaded = sys.modules
+_DYNAMO = "torch._dynamo"
 _grad_enabled = torch.is_grad_enabled
 
 # Allocation phases, stored per allocation.
@@ -62,7 +64,7 @@ class Tracker(TorchDispatchMode):
         self.peak_index = 0
         self.events = array("q")
         self.truncated = False
-        # serial -> (size, phase, raw site (see frames.user_frames), id of the innermost module whose forward
+        # serial -> (size, phase, raw site (see frames.user_site), id of the innermost module whose forward
         # made it, or 0)
         self.allocs: dict[int, tuple[int, int, tuple[Any, ...], int]] = {}
         self.oom: dict[str, Any] | None = None
@@ -74,7 +76,6 @@ class Tracker(TorchDispatchMode):
         self._lookup = registry.get
         # serial -> (category, id of the optimizer) for storages whose role the optimizer step revealed
         self.roles: dict[int, tuple[str, int]] = {}
-        self._sites: dict[tuple[int, ...], tuple[Any, ...]] = {}  # raw (code, lasti, …) sites, shared
         self._cpu = device == "cpu"
         self._torch_device = torch.device(device)
 
@@ -178,7 +179,9 @@ class Tracker(TorchDispatchMode):
             self.peak = self.current
             self.peak_index = len(self.events)
 
-    def _record(self, entry: Entry) -> None:
+    def _record(self, entry: Entry, depth: int = 4) -> None:
+        """Count a new block (``depth``: frames from here up to the op's caller). :meth:`_see` inlines this
+        for the common case; keep the two alike."""
         size = entry.size
         self.current += size
         if len(self.events) < self.max_events:
@@ -187,18 +190,17 @@ class Tracker(TorchDispatchMode):
             self.truncated = True
         site: tuple[Any, ...] = ()
         if self.record_sites:
-            site = user_frames(sys._getframe(4))
-            site = self._sites.setdefault(site_key(site), site)  # one tuple per distinct site
+            site = user_site(sys._getframe(depth))  # one tuple per distinct site
         modules = self._modules
         self.allocs[entry.serial] = (size, self.phase(), site, modules[-1] if modules else 0)
         if self.current > self.peak:
             self.peak = self.current
             self.peak_index = len(self.events)
 
-    def _raise_oom(self, size: int) -> None:
-        site = user_frames(sys._getframe(4))
+    def _raise_oom(self, size: int, depth: int = 4) -> None:
+        site = user_site(sys._getframe(depth))
         self.oom = {"requested": size, "in_use": self.current, "site": site, "phase": self.phase()}
-        self._name_locals(sys._getframe(4))
+        self._name_locals(sys._getframe(depth))
         msg = (
             f"{self.device} out of memory under the simulated budget: tried to allocate "
             f"{format_bytes(size)}; {format_bytes(self.current)} of the {format_bytes(self.budget or 0)} "
@@ -248,10 +250,39 @@ class Tracker(TorchDispatchMode):
         if (not t.is_cpu) if self._cpu else (t.device != self._torch_device):
             self.registry.add(storage)  # another device: known for its own reports, not counted here
             return
-        if self._aliases(func):
+        aliases = self._aliasing.get(func)
+        if aliases is None:
+            aliases = self._aliases(func)
+        if aliases:
             self._late(storage)
             return
-        self._new(storage)
+        # A new storage: _new and _record, inlined (this runs for every allocation, in between kernels that
+        # have evicted the interpreter from the CPU caches: each Python call here costs several times what
+        # it costs in a tight loop).
+        size = storage.nbytes() if self._cpu else storage_size(storage, self.device)
+        if self.budget is not None and self.current + size > self.budget:
+            self._raise_oom(size, depth=3)
+        serial = self.registry.add_new(storage, id(storage), size, self.device).serial
+        self.current += size
+        events = self.events
+        if len(events) < self.max_events:
+            events.append(serial)
+        else:
+            self.truncated = True
+        modules = self._modules
+        if self._optimizer_depth:  # self.phase(), inlined
+            phase = OPTIMIZER
+        elif _current_node() is not None:
+            phase = BACKWARD
+        elif modules:
+            phase = FORWARD if _grad_enabled() else INFERENCE
+        else:
+            phase = CELL
+        self.allocs[serial] = (size, phase, user_site(sys._getframe(2)) if self.record_sites else (),
+                               modules[-1] if modules else 0)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_index = len(events)
 
     def _resizes(self, func: Any) -> bool:
         hit = self._resizing.get(func)
@@ -282,7 +313,7 @@ class Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         # torch.compile tracing: stay out of its graph
-        if _is_compiling():
+        if _DYNAMO in _loaded and _is_compiling():  # no tracing without dynamo imported
             return out
         if isinstance(out, torch.Tensor):  # most ops: one tensor (the general case is _see_outputs)
             self._see(out, func)
