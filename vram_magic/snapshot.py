@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .report import CellReport
     from .trace import Block
 
-_SYNTHETIC_BASE = 0x7F00_0000_0000  # for storages without an address (fake tensors): far from real ones
+_SYNTHETIC_BASE = 0x7F00_0000_0000  # blocks get addresses from their serials (the tracker keeps no pointers)
 
 
 def device_index(device: str) -> int:
@@ -33,14 +33,12 @@ def to_snapshot(report: CellReport) -> dict[str, Any]:
         raise ValueError("this report has no allocation history (it was measured with --no-trace off?)")
     index = device_index(report.device)
     addrs: dict[int, int] = {}
-    used: set[int] = set()
 
     def addr(block: Block) -> int:
+        # one address per block, distinct from every other block's (the viewer pairs alloc and free by it)
         a = addrs.get(block.serial)
         if a is None:
-            a = block.addr if block.addr and block.addr not in used else _SYNTHETIC_BASE + block.serial * 512
-            addrs[block.serial] = a
-            used.add(a)
+            a = addrs[block.serial] = _SYNTHETIC_BASE + block.serial * 512
         return a
 
     for serial in trace.initial:
@@ -53,7 +51,6 @@ def to_snapshot(report: CellReport) -> dict[str, Any]:
                  "frames": _frames(b), "category": b.category, "label": b.label}
         events.append(entry)
         if ev < 0:
-            used.discard(a)
             addrs.pop(b.serial, None)
     if report.oom is not None:
         events.append({"action": "oom", "addr": 0, "size": report.oom.requested or 0, "stream": 0,

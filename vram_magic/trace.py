@@ -20,7 +20,6 @@ class Block(NamedTuple):
     size: int
     category: str
     label: str
-    addr: int = 0
     site: tuple[Frame, ...] = ()
     phase: str = ""  # "forward", "backward", "optimizer", "cell" for allocations made during the cell
     module: str = ""  # the innermost module whose forward made it ("model.layers.3.mlp"), if any

@@ -242,7 +242,7 @@ class Measurement:
                     cat = (role, optimizers.get(owner, "optimizer"))
                 else:
                     cat = PHASE_CATEGORY[phase]
-            blocks[serial] = Block(serial, size, cat[0], cat[1], 0, sites(site) if site else (), phase_names[phase],
+            blocks[serial] = Block(serial, size, cat[0], cat[1], sites(site) if site else (), phase_names[phase],
                                    names.get(module, "") if module else "")
         return Trace(self.device, blocks, tuple(initial), tracker.events, tracker.peak_index, tracker.truncated,
                      base=tuple((c, lab, n) for (c, lab), n in base.items()))

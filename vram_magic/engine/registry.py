@@ -15,13 +15,12 @@ from typing import Any
 class Entry(weakref.ref):
     """The weakref to one storage, carrying what we know of it (one object per storage: cheap)."""
 
-    __slots__ = ("key", "serial", "size", "device", "addr")
+    __slots__ = ("key", "serial", "size", "device")
 
     key: int
     serial: int
     size: int
     device: str
-    addr: int
 
 
 def storage_size(storage: Any, device: str) -> int:
@@ -75,10 +74,6 @@ class LiveStorages:
         entry.serial = next(self._serials)
         entry.size = size
         entry.device = device
-        try:
-            entry.addr = storage.data_ptr()
-        except Exception:  # fake or otherwise dataless storages
-            entry.addr = 0
         self._entries[key] = entry
         return entry
 
