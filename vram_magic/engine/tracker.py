@@ -21,6 +21,7 @@ from .registry import Entry, LiveStorages, storage_size
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 _current_node = torch._C._current_autograd_node
+_OpOverload = torch._ops.OpOverload
 _loaded = sys.modules
 _DYNAMO = "torch._dynamo"
 _grad_enabled = torch.is_grad_enabled
@@ -311,7 +312,9 @@ class Tracker(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        # A plain OpOverload's __call__ only forwards to its C++ entry point: calling that directly saves a
+        # Python frame per op. Subclasses (torchbind ops) and higher-order operators are called as they are.
+        out = (func._op if type(func) is _OpOverload else func)(*args, **(kwargs or {}))
         # torch.compile tracing: stay out of its graph
         if _DYNAMO in _loaded and _is_compiling():  # no tracing without dynamo imported
             return out
