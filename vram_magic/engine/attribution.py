@@ -163,11 +163,13 @@ class _Walker:
             subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
             for subname, sub in subs:
                 names.setdefault(id(sub), subname)
-                ps, bs = sub._parameters, sub._buffers
-                if ps:
-                    params.extend((p, name) for p in ps.values() if p is not None)
-                if bs:
-                    buffers.extend((b, name) for b in bs.values() if b is not None)
+                for p in sub._parameters.values():
+                    if p is not None:
+                        params.append((p, name))
+                if sub._buffers:
+                    for b in sub._buffers.values():
+                        if b is not None:
+                            buffers.append((b, name))
         for name, opt in self.optimizers:
             self.scan.optimizer_names.setdefault(id(opt), name)
             params.extend((p, name) for group in opt.param_groups for p in group.get("params", ()))
