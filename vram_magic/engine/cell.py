@@ -431,6 +431,10 @@ def measure(
     ``namespace``: where to look for models, optimizers and tensors to attribute memory to (default: the
     caller's globals). ``budget``: simulated device size (``"48MiB"``); past it the block raises
     ``torch.OutOfMemoryError``. ``previous``: a report to diff against.
+
+    Blocks may nest (each counts what happens inside it). Between blocks, storages stay known to one
+    process-wide weak registry: what an earlier block saw and is still alive counts in the next block's
+    ``before`` even where ``namespace`` does not reach it (as "other"), and is not registered again.
     """
     if namespace is None:
         namespace = _FrameNamespace(sys._getframe(1))
