@@ -272,6 +272,14 @@ def test_measure_blocks_in_sequence_and_nested():
     assert outer.peak.total - outer.before.total == 12000
     assert outer.after.total - outer.before.total == 8000
     assert b.numel() == 2000 and torch._C._len_torch_dispatch_stack() == 0
+    gc.collect()
+    with vram_magic.measure(namespace={}) as m1:
+        z = torch.ones(1000)  # held by no namespace the blocks look at
+    with vram_magic.measure(namespace={}) as m2:
+        pass
+    assert m1.after.total - m1.before.total == 4000
+    assert m2.before.total == m1.after.total and m2.before["other"] >= 4000  # z is still known, as "other"
+    del z
 
 
 def test_gradients_freed_in_the_same_cell_stay_gradients_at_the_peak(shell):
