@@ -326,6 +326,16 @@ w = Weird()
     assert shell.user_ns["r"].delta.total == 40
 
 
+def test_scanned_classes_are_not_kept_alive(shell):
+    # the scan remembers what to do with each class; a class made in a cell (here holding a tensor) must
+    # still go away with the user's last reference to it
+    run_ok(shell, "import gc, weakref, torch\nclass Holder:\n    table = torch.zeros(1000)\n"
+                  "h = Holder()\nref = weakref.ref(Holder.table)")
+    run_ok(shell, "%%vram -q\npass")  # scans `h`, an object of class Holder
+    run_ok(shell, "del Holder, h\ngc.collect()")
+    assert shell.user_ns["ref"]() is None
+
+
 def test_tensors_made_without_dispatch_are_counted(shell):
     run_ok(shell, "import numpy as np, torch")
     run_ok(shell, "%%vram -q -o r\narr = np.ones(1000, dtype=np.float32)\nt = torch.from_numpy(arr)")

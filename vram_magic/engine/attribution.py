@@ -8,6 +8,7 @@ deep), then the autograd graphs hanging off the tensors it found. It returns pla
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,13 +27,16 @@ _MAX_OBJECTS = 20_000
 _MAX_ITEMS = 1_000
 
 # What the walker does with an object, decided once per type (isinstance chains are slow for many objects).
+# Keyed by id, with a weakref to check it: a class defined in a cell may hold tensors, and must not be kept.
 _TENSOR, _MODULE, _OPTIMIZER, _SKIP, _MAPPING, _SEQUENCE, _OBJECT = range(7)
-_kinds: dict[type, int] = {}
+_kinds: dict[int, tuple[int, weakref.ref]] = {}
 
 
 def _kind(cls: type) -> int:
-    kind = _kinds.get(cls)
-    if kind is None:
+    hit = _kinds.get(id(cls))
+    if hit is not None and hit[1]() is cls:
+        return hit[0]
+    try:
         if issubclass(cls, torch.Tensor):
             kind = _TENSOR
         elif issubclass(cls, torch.nn.Module):
@@ -45,13 +49,16 @@ def _kind(cls: type) -> int:
             kind = _MAPPING
         elif issubclass(cls, (list, tuple)):
             kind = _SEQUENCE
-        elif cls.__module__.startswith("vram_magic") or cls.__module__ == "builtins":
+        elif str(cls.__module__).startswith("vram_magic") or cls.__module__ == "builtins":
             kind = _SKIP
         else:
             kind = _OBJECT
-        if len(_kinds) > 10_000:
-            _kinds.clear()
-        _kinds[cls] = kind
+        ref = weakref.ref(cls)
+    except Exception:  # a class whose subclass checks raise: leave its objects alone
+        return _SKIP
+    if len(_kinds) > 10_000:
+        _kinds.clear()
+    _kinds[id(cls)] = (kind, ref)
     return kind
 
 
