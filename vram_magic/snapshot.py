@@ -32,17 +32,11 @@ def to_snapshot(report: CellReport) -> dict[str, Any]:
     if trace is None:
         raise ValueError("this report has no allocation history (it was measured with --no-trace off?)")
     index = device_index(report.device)
-    addrs: dict[int, int] = {}
 
     def addr(block: Block) -> int:
         # one address per block, distinct from every other block's (the viewer pairs alloc and free by it)
-        a = addrs.get(block.serial)
-        if a is None:
-            a = addrs[block.serial] = _SYNTHETIC_BASE + block.serial * 512
-        return a
+        return _SYNTHETIC_BASE + block.serial * 512
 
-    for serial in trace.initial:
-        addr(trace.blocks[serial])
     events = []
     for ev in trace.events:
         b = trace.blocks[abs(ev)]
@@ -50,8 +44,6 @@ def to_snapshot(report: CellReport) -> dict[str, Any]:
         entry = {"action": "alloc" if ev > 0 else "free_completed", "addr": a, "size": b.size, "stream": 0,
                  "frames": _frames(b), "category": b.category, "label": b.label}
         events.append(entry)
-        if ev < 0:
-            addrs.pop(b.serial, None)
     if report.oom is not None:
         events.append({"action": "oom", "addr": 0, "size": report.oom.requested or 0, "stream": 0,
                        "frames": [{"filename": f, "line": n, "name": m} for f, n, m in report.oom.site],
