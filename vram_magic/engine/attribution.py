@@ -222,10 +222,6 @@ def scan_namespace(namespace: Mapping[str, Any] | None, registry: LiveStorages, 
                 if _OUTPUT_CACHE.match(name):
                     walker.visit(name, value, depth, cache=True)
                     continue
-            if _kind(type(value)) == _MODULE and id(value) not in walker.seen:  # the common case, inline
-                walker.seen.add(id(value))
-                walker.modules.append((name, value))
-                continue
             walker.visit(name, value, depth)
     return walker.assign()
 

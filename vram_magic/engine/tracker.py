@@ -318,7 +318,8 @@ class Tracker(TorchDispatchMode):
         # torch.compile tracing: stay out of its graph
         if _DYNAMO in _loaded and _is_compiling():  # no tracing without dynamo imported
             return out
-        if isinstance(out, torch.Tensor):  # most ops: one tensor (the general case is _see_outputs)
+        # _see_outputs, inlined: this runs once per op
+        if isinstance(out, torch.Tensor):
             self._see(out, func)
         elif isinstance(out, (tuple, list)):
             for o in out:
