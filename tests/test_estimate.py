@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import vram_magic
-from vram_magic.estimate import EstimateError, find_gpu
+from vram_magic.estimator import EstimateError, find_gpu
 
 # Linear(1024, 4096): 1024 * 4096 weights + 4096 biases
 P = 1024 * 4096 + 4096
@@ -296,10 +296,13 @@ def test_max_sequence_length():
     assert not longer.fits
 
 
-def test_the_package_stays_callable_after_import():
-    import vram_magic.estimate as pkg
+def test_estimate_is_a_plain_function_beside_its_package():
+    import types
 
-    assert callable(vram_magic.estimate) and callable(pkg)
+    import vram_magic.estimator as pkg
+
+    assert isinstance(vram_magic.estimate, types.FunctionType) and isinstance(pkg, types.ModuleType)
+    assert vram_magic.estimate.__module__ == "vram_magic"
 
 
 # --- the magic ---------------------------------------------------------------------------------------------

@@ -45,8 +45,8 @@ def measure(device: Any = None, **kwargs: Any) -> Measurement:
 
 
 def estimate(*args: Any, **kwargs: Any) -> Any:
-    """Predict a training or inference step's memory on fake tensors; see :mod:`vram_magic.estimate`."""
-    from .estimate import estimate as _estimate
+    """Predict a training or inference step's memory on fake tensors; see :func:`vram_magic.estimator.estimate`."""
+    from .estimator import estimate as _estimate
 
     return _estimate(*args, **kwargs)
 

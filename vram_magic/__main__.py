@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         run_demo()
         return 0
     if cmd == "estimate":
-        from .estimate.cli import main as estimate_main
+        from .estimator.cli import main as estimate_main
 
         return estimate_main(rest)
     print(f"unknown command {cmd!r}\n{USAGE}", file=sys.stderr)

@@ -238,7 +238,7 @@ class VramMagics(Magics):
     @line_magic
     def vram_estimate(self, line: str) -> Any:
         """Predict a training or inference step's memory without a GPU. See ``%vram_estimate?``."""
-        from .estimate.magic import run_estimate_magic
+        from .estimator.magic import run_estimate_magic
 
         return run_estimate_magic(self, line)
 

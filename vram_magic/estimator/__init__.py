@@ -5,8 +5,6 @@ modelled on top. See :func:`estimate`.
 
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -111,17 +109,6 @@ def _with(est: Estimate, **changes: Any) -> Estimate:
     from dataclasses import replace
 
     return replace(est, **changes)
-
-
-class _CallableModule(types.ModuleType):
-    """``vram_magic.estimate`` is both this package and the function: importing the package replaces the
-    function attribute of ``vram_magic`` with the module, so the module itself must stay callable."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Estimate:
-        return estimate(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 
 __all__ = ["GPU", "GPUS", "CudaModel", "Estimate", "EstimateError", "Strategy", "Target", "estimate",
            "find_gpu", "find_max_batch", "make_target", "search_max"]

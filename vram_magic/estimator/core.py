@@ -37,7 +37,7 @@ def make_target(gpu: Any = None, budget: Any = None, cuda: CudaModel | None = No
     g = gpu if isinstance(gpu, GPU) or gpu is None else find_gpu(gpu)
     b = parse_size(budget) if budget is not None else None
     if cuda is not None and not isinstance(cuda, CudaModel):
-        raise TypeError(f"cuda must be a CudaModel (vram_magic.estimate.CudaModel(context=...)), not "
+        raise TypeError(f"cuda must be a CudaModel (vram_magic.estimator.CudaModel(context=...)), not "
                         f"{type(cuda).__name__}")
     return Target(g, b, cuda or CudaModel())
 
