@@ -151,6 +151,25 @@ class OomInfo:
 
 
 @dataclass(frozen=True)
+class LiveStatus:
+    """A measured block while it runs (what a live view shows; read from another thread, so approximate).
+
+    ``now``/``peak`` are bytes on the device (``None`` where the backend only knows them at the end);
+    ``breakdown`` splits ``now`` by category where the backend can tell while running: storages alive at the
+    start keep the category the scan gave them, storages made since count by the phase that made them
+    (forward and backward → activations, the rest → other). ``phase`` is the phase of the latest allocation.
+    """
+
+    device: str
+    backend: str
+    elapsed: float
+    phase: str
+    now: int | None = None
+    peak: int | None = None
+    breakdown: Breakdown | None = None
+
+
+@dataclass(frozen=True)
 class CellReport:
     """Memory of one measured cell (or ``with vram_magic.measure()`` block).
 

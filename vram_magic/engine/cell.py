@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..report import Breakdown, CellReport, DeviceStats, OomInfo
+from ..report import Breakdown, CellReport, DeviceStats, LiveStatus, OomInfo
 from ..trace import Block, Trace
 from ..units import format_bytes, parse_size
 from . import cuda
@@ -33,6 +33,15 @@ PHASE_CATEGORY = {
     CELL: ("other", "temporaries"),
 }
 
+# While the block runs: what memory made in each phase counts as in the live view (before the end-of-block scan
+# tells which of it became gradients or optimizer state).
+LIVE_PHASE_CATEGORY = {
+    FORWARD: ("activations", "forward intermediates"),
+    INFERENCE: ("activations", "forward intermediates (no grad)"),
+    BACKWARD: ("activations", "made during backward"),
+    OPTIMIZER: ("other", "made by the optimizer step"),
+    CELL: ("other", "made by the cell's code"),
+}
 
 _shared_registry = LiveStorages()
 
@@ -96,6 +105,29 @@ class Measurement:
         if self.report is None:
             return {"text/plain": repr(self)}
         return self.report._repr_mimebundle_(include, exclude)
+
+    def status(self) -> LiveStatus | None:
+        """The block so far (safe to call from another thread while it runs); ``None`` before it starts and
+        after it ends."""
+        tracker = self._tracker
+        if tracker is None:
+            return None
+        elapsed = time.perf_counter() - self._t0
+        rows = dict(self._before_rows)
+        owner = self._before_owner
+        for serial, size in list(tracker.initial_freed.items()):
+            cat = owner.get(serial, _UNATTRIBUTED)
+            rows[cat] = rows.get(cat, 0) - size
+        for phase, size in enumerate(list(tracker.phase_bytes)):
+            if size:
+                cat = LIVE_PHASE_CATEGORY[phase]
+                rows[cat] = rows.get(cat, 0) + size
+        for size in list(tracker.late.values()):
+            rows[_UNATTRIBUTED] = rows.get(_UNATTRIBUTED, 0) + size
+        rows = {k: v for k, v in rows.items() if v > 0}
+        return LiveStatus(device=self.device, backend="tracker", elapsed=elapsed,
+                          phase=PHASE_NAMES[tracker.last_phase], now=tracker.current, peak=tracker.peak,
+                          breakdown=Breakdown.from_rows(rows))
 
     # --- measuring -------------------------------------------------------------------------------
     def __enter__(self) -> Measurement:

@@ -79,6 +79,11 @@ class Tracker(TorchDispatchMode):
         self.roles: dict[int, tuple[str, int]] = {}
         self._cpu = device == "cpu"
         self._torch_device = torch.device(device)
+        # live bytes allocated during the block, per phase (what a live view reads from another thread), the
+        # bytes of the storages alive at the start that were freed since, and the phase of the last allocation
+        self.phase_bytes = [0] * len(PHASE_NAMES)
+        self.initial_freed: dict[int, int] = {}
+        self.last_phase = CELL
 
     # --- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> Tracker:
@@ -149,6 +154,11 @@ class Tracker(TorchDispatchMode):
         if entry.device != self.device:
             return
         self.current -= entry.size
+        record = self.allocs.get(entry.serial)
+        if record is not None:
+            self.phase_bytes[record[1]] -= entry.size
+        else:
+            self.initial_freed[entry.serial] = entry.size
         if len(self.events) < self.max_events:
             self.events.append(-entry.serial)
         else:
@@ -176,6 +186,7 @@ class Tracker(TorchDispatchMode):
         if len(self.events) < self.max_events:
             self.events.append(entry.serial)
         self.allocs[entry.serial] = (entry.size, CELL, (), 0)
+        self.phase_bytes[CELL] += entry.size
         if self.current > self.peak:
             self.peak = self.current
             self.peak_index = len(self.events)
@@ -193,7 +204,10 @@ class Tracker(TorchDispatchMode):
         if self.record_sites:
             site = user_site(sys._getframe(depth))  # one tuple per distinct site
         modules = self._modules
-        self.allocs[entry.serial] = (size, self.phase(), site, modules[-1] if modules else 0)
+        phase = self.phase()
+        self.allocs[entry.serial] = (size, phase, site, modules[-1] if modules else 0)
+        self.phase_bytes[phase] += size
+        self.last_phase = phase
         if self.current > self.peak:
             self.peak = self.current
             self.peak_index = len(self.events)
@@ -281,6 +295,8 @@ class Tracker(TorchDispatchMode):
             phase = CELL
         self.allocs[serial] = (size, phase, user_site(sys._getframe(2)) if self.record_sites else (),
                                modules[-1] if modules else 0)
+        self.phase_bytes[phase] += size
+        self.last_phase = phase
         if self.current > self.peak:
             self.peak = self.current
             self.peak_index = len(events)
