@@ -82,7 +82,7 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
     cm = target.cuda
     sizes = dict(trace.sizes)
     modelled: dict[str, int] = {}
-    notes: list[str] = []
+    notes: list[str] = list(trace.notes)
     if cuda:
         for s, n in sizes.items():
             sizes[s] = cm.round(n)
@@ -186,6 +186,7 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
         modelled=tuple(modelled.items()),
         notes=tuple(notes),
         wall_time=trace.wall,
+        loss=trace.loss,
         options=opts,
     )
 

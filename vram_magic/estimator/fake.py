@@ -12,7 +12,7 @@ import copy
 import inspect
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,11 +28,15 @@ class TensorSpec:
     dtype: torch.dtype
     requires_grad: bool = False
     channels_last: bool = False
+    # a real copy of a small integer/boolean input (a mask, token ids): see values.py
+    values: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorSpec:
+        from .values import keep
+
         cl = t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
-        return cls(tuple(int(s) for s in t.shape), t.dtype, bool(t.requires_grad), cl)
+        return cls(tuple(int(s) for s in t.shape), t.dtype, bool(t.requires_grad), cl, keep(t))
 
     def make(self, dtype: torch.dtype | None) -> torch.Tensor:
         """A fake tensor (call under the fake mode); floating inputs take ``dtype`` when one is set."""
@@ -42,6 +46,10 @@ class TensorSpec:
             t = t.contiguous(memory_format=torch.channels_last)
         if self.requires_grad and dt.is_floating_point:
             t.requires_grad_(True)
+        if self.values is not None and dt == self.values.dtype:
+            from .values import attach, real_copy
+
+            attach(t, real_copy(self.values))
         return t
 
     @property
@@ -88,9 +96,12 @@ def resize(value: Any, dim: int, old: int, new: int) -> Any:
     """Change dimension ``dim`` from ``old`` to ``new`` in every spec whose dimension ``dim`` is ``old``."""
     if isinstance(value, TensorSpec):
         if len(value.shape) > dim and value.shape[dim] == old:
+            from .values import resized
+
             shape = list(value.shape)
             shape[dim] = new
-            return TensorSpec(tuple(shape), value.dtype, value.requires_grad, value.channels_last)
+            return TensorSpec(tuple(shape), value.dtype, value.requires_grad, value.channels_last,
+                              resized(value.values, dim, new))
         return value
     if isinstance(value, (tuple, list)):
         return type(value)(resize(v, dim, old, new) for v in value)

@@ -55,6 +55,8 @@ def estimate_text(est: Estimate) -> str:
     lines.append("  P parameters  G gradients  O optimizer state  A activations  . other")
     lines.append("  " + est.verdict())
     lines.append("  " + _traced_line(est))
+    if est.loss:
+        lines.append(f"  loss: {est.loss}")
     if est.top_modules:
         lines.append("  largest activations after the forward: " + ", ".join(
             f"{name} {format_bytes(n)}" for name, n in est.top_modules[:5]))
@@ -95,6 +97,8 @@ def estimate_html(est: Estimate) -> str:
     parts.append(legend_html(est.peak))
     parts.append(f'<div style="color:{color};font-weight:bold">{html.escape(est.verdict())}</div>')
     parts.append(f'<div style="font-size:85%;color:#555">{html.escape(_traced_line(est))}</div>')
+    if est.loss:
+        parts.append(f'<div style="font-size:85%">loss: {html.escape(est.loss)}</div>')
     if est.top_modules:
         parts.append('<div style="font-size:85%">largest activations after the forward: ' + ", ".join(
             f"<code>{html.escape(n)}</code> {format_bytes(b)}" for n, b in est.top_modules[:5]) + "</div>")

@@ -60,6 +60,7 @@ class Estimate:
     modelled: tuple[tuple[str, int], ...] = ()
     notes: tuple[str, ...] = ()
     wall_time: float = 0.0
+    loss: str = ""  # which loss the training step used (the model's own, the given loss_fn, or a stand-in)
     strategies: tuple[Strategy, ...] = ()
     max_batch: int | None = None
     max_seq: int | None = None

@@ -7,7 +7,7 @@ order of allocations and frees.
 from __future__ import annotations
 
 import contextlib
-import functools
+import inspect
 import warnings
 from array import array
 from collections.abc import Callable, Mapping
@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..engine.registry import LiveStorages
 from .fake import ModelSource, from_specs, resize, size_of, to_specs
+from .frameworks import enable_checkpointing, estimating
 from .optimizers import is_fused, make_optimizer
 from .options import Options
 from .tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
@@ -57,6 +58,9 @@ class StepTrace:
     state_bytes: int = 0
     unit_param_bytes: list[int] = field(default_factory=list)  # per checkpoint/sharding unit (largest blocks)
     wall: float = 0.0
+    loss: str = ""  # which loss the step trained on
+    notes: list[str] = field(default_factory=list)  # what was modelled and how (checkpointing, compiled)
+    answered: int = 0  # value reads answered from the inputs' real values
 
 
 class Request:
@@ -77,7 +81,9 @@ class Request:
     def input_specs(self, mode: FakeTensorMode) -> Any:
         if self.specs is None:
             assert self.inputs_fn is not None
-            with mode:
+            from .values import ValueMode
+
+            with mode, ValueMode():
                 try:
                     made = self.inputs_fn()
                 except Exception as err:
@@ -93,23 +99,34 @@ class Request:
 
 
 def default_loss(output: Any) -> torch.Tensor:
+    return stand_in_loss(output)[0]
+
+
+def stand_in_loss(output: Any) -> tuple[torch.Tensor, str]:
+    """The loss a step trains on when no ``loss_fn`` is given, and what it was: the output's own ``loss``
+    (a Hugging Face model given ``labels``), else the sum of the output (of its floating tensors)."""
     loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
-        return loss
+        return loss, "the model's own loss (output.loss)"
     if isinstance(output, torch.Tensor):
-        return output.sum()
+        return output.sum(), "output.sum()"
     parts: list[torch.Tensor] = []
-    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
-    for v in values:
+    names: list[str] = []
+    items = list(output.items()) if isinstance(output, Mapping) else list(enumerate(output)) if isinstance(
+        output, (tuple, list)) else []
+    for k, v in items:
         if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
             parts.append(v.sum())
+            names.append(f"output.{k}" if isinstance(k, str) and k.isidentifier() else f"output[{k!r}]")
     if not parts:
         raise EstimateError(f"cannot make a loss from the model's output ({type(output).__name__}); pass loss_fn, "
                             "e.g. loss_fn=lambda out: out.logits.sum()")
     total = parts[0]
     for p in parts[1:]:
         total = total + p
-    return total
+    return total, " + ".join(f"{n}.sum()" for n in names)
 
 
 def _call(model: nn.Module, inputs: Any) -> Any:
@@ -135,18 +152,6 @@ def checkpoint_units(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def _wrap_checkpoint(unit: nn.Module) -> None:
-    from torch.utils.checkpoint import checkpoint
-
-    inner = unit.forward
-
-    @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-    unit.forward = forward  # type: ignore[method-assign]
-
-
 def trace_step(request: Request, opts: Options) -> StepTrace:
     import logging
     import time
@@ -157,7 +162,7 @@ def trace_step(request: Request, opts: Options) -> StepTrace:
     level = log.level
     log.setLevel(logging.CRITICAL)  # fake tensors log a model's shape errors; ours says it once, clearly
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), estimating():
             warnings.simplefilter("ignore")
             return _trace(request, opts, mode, t0)
     finally:
@@ -193,9 +198,9 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     else:
         model.train()
     units = checkpoint_units(model)
+    notes: list[str] = []
     if opts.checkpointing and not opts.inference:
-        for u in units:
-            _wrap_checkpoint(u)
+        notes.append("checkpointing: " + enable_checkpointing(model, units))
     params = [p for p in model.parameters()]
     trainable = [p for p in params if p.requires_grad]
     if not opts.inference and not trainable:
@@ -222,7 +227,14 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
         claim(t, ("other", "inputs"))
     names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
     tracer = StepTracer(registry, names)
-    loss_fn = request.loss_fn or default_loss
+    tracer.input_keys = {id(t.untyped_storage()) for t in _tensors(inputs) if t.layout == torch.strided}
+    loss_used = ["loss_fn (given)"] if request.loss_fn is not None else [""]
+
+    def stated_loss(output: Any) -> torch.Tensor:
+        loss, loss_used[0] = stand_in_loss(output)
+        return loss
+
+    loss_fn = request.loss_fn or stated_loss
     marks: dict[str, int] = {}
     host_scalars: set[int] = set()
     n_micro = 1 if opts.inference else min(opts.accumulate, 2)
@@ -287,10 +299,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     except EstimateError:
         raise
     except Exception as err:
-        op, where = tracer.failed_in or ("", tracer.module() or "(top level)")
-        at = f" at {op}" if op else ""
-        raise EstimateError(f"the model raised {type(err).__name__} in module {where!r}{at} while running on fake "
-                            f"tensors (check the input shapes and dtypes): {err}") from err
+        raise EstimateError(_failure(err, tracer, model, specs)) from err
     sizes = {serial: size for serial, size in tracer.initial.items()}
     sizes.update(tracer.late)
     made = tracer.made
@@ -342,8 +351,82 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
         uses_matmul=tracer.matmul, batch=batch, seq=seq, micro_batch=micro_batch,
         param_count=sum(p.numel() for p in params), param_bytes=param_bytes, grad_bytes=grad_bytes,
         state_bytes=state_bytes, unit_param_bytes=unit_bytes, wall=time.perf_counter() - t0,
+        loss="" if opts.inference else _describe_loss(loss_used[0], model, specs), notes=notes,
+        answered=tracer.answered,
     )
     return trace
+
+
+_STAGE_WORDS = {FORWARD: "the forward pass", LOSS: "the loss", BACKWARD: "the backward pass",
+                OPTIMIZER: "the optimizer step", ZERO_GRAD: "zero_grad", SETUP: "the step"}
+
+
+def _failure(err: Exception, tracer: StepTracer, model: nn.Module, specs: Any) -> str:
+    """What went wrong, where (op, module, the shapes the op saw, the stage) and, only when the inputs are
+    the likely cause, a word about them."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if tracer.failed_in is None:
+        where = tracer.module() or "(top level)"
+        stage = _STAGE_WORDS.get(tracer.stage, "the step")
+        text = f"the model raised {type(err).__name__} in module {where!r} during {stage}: {message}"
+        if isinstance(err, TypeError) and tracer.stage == FORWARD and not tracer.modstack:
+            bad = _call_mismatch(model, specs)
+            if bad:
+                text += f" — the inputs do not match the model's forward(): {bad}"
+        return text
+    op, where, shapes = tracer.failed_in
+    stage = tracer.failed_stage
+    during = _STAGE_WORDS.get(stage, "the step")
+    if stage == BACKWARD and where != "(top level)":
+        during = "the recomputed forward of activation checkpointing (in the backward pass)"
+    text = (f"the model raised {type(err).__name__} in module {where!r} at {op} on ({shapes}) during {during}: "
+            f"{message}")
+    if tracer.failed_on_input and stage in (FORWARD, LOSS):
+        text += f" — the op received one of the inputs directly: check their shapes and dtypes ({_describe(specs)})"
+    return text
+
+
+def _describe(specs: Any) -> str:
+    from .fake import TensorSpec
+
+    def one(s: Any) -> str:
+        return f"{tuple(s.shape)} {str(s.dtype).replace('torch.', '')}" if isinstance(s, TensorSpec) else repr(s)
+
+    if isinstance(specs, Mapping):
+        return ", ".join(f"{k}={one(v)}" for k, v in specs.items())
+    if isinstance(specs, (tuple, list)):
+        return ", ".join(one(v) for v in specs)
+    return one(specs)
+
+
+def _call_mismatch(model: nn.Module, specs: Any) -> str:
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return ""
+    try:
+        if isinstance(specs, Mapping):
+            sig.bind(**specs)
+        elif isinstance(specs, (tuple, list)):
+            sig.bind(*specs)
+        else:
+            sig.bind(specs)
+    except TypeError as bad:
+        return f"{bad} (forward{sig})"
+    return ""
+
+
+def _describe_loss(used: str, model: nn.Module, specs: Any) -> str:
+    if not used or used.startswith("the model's own") or used.startswith("loss_fn"):
+        return used or "none (the step stopped before the loss)"
+    hint = 'pass loss_fn=... (%vram_estimate: --loss "lambda out: ...")'
+    try:
+        takes_labels = "labels" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes_labels = False
+    if takes_labels and not (isinstance(specs, Mapping) and "labels" in specs):
+        hint = "put labels in the inputs to train on the model's own loss, or " + hint
+    return f"stand-in {used}: the model computed no loss; {hint}"
 
 
 def _claim_state(optimizer: torch.optim.Optimizer, claim: Callable[..., int | None], host_scalars: set[int]) -> None:

@@ -13,10 +13,12 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     UnsupportedOperatorException,
 )
+from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils.flop_counter import flop_registry
 
 from ..engine.registry import LiveStorages
 from ..engine.tracker import Tracker
+from .values import answer, propagate
 
 SETUP, FORWARD, LOSS, BACKWARD, OPTIMIZER, ZERO_GRAD = range(6)
 STAGES = ("setup", "forward", "loss", "backward", "optimizer", "zero_grad")
@@ -42,6 +44,29 @@ def tensor_spec(t: Any) -> Any:
     return t
 
 
+_COMPOSITE: dict[Any, bool] = {}
+
+
+def _is_composite(func: Any) -> bool:
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+def _shapes(args: Any, kwargs: Any) -> str:
+    """The arguments an op saw, as people read them: ``(4, 64, 128) float32, (4, 1, 64, 64) bool, 0.5``."""
+    parts = []
+    for a in list(args) + list((kwargs or {}).values()):
+        if isinstance(a, torch.Tensor):
+            parts.append(f"{tuple(a.shape)} {str(a.dtype).replace('torch.', '')}")
+        elif isinstance(a, (list, tuple)) and a and all(isinstance(x, torch.Tensor) for x in a):
+            parts.append("[" + ", ".join(str(tuple(x.shape)) for x in a) + "]")
+        elif isinstance(a, (int, float, bool)) or a is None:
+            parts.append(repr(a))
+    return ", ".join(parts)
+
+
 class StepTracer(Tracker):
     """Counts the storages of fake tensors (their storages live on ``meta``) during a traced step."""
 
@@ -55,10 +80,25 @@ class StepTracer(Tracker):
         self.convs: list[tuple[int, Any, Any]] = []  # (events so far, op, argument specs)
         self.problem: tuple[str, str, str] | None = None  # (op, module, exception name)
         self.item_value = 1.0
-        self.failed_in: tuple[str, str] | None = None
+        self.failed_in: tuple[str, str, str] | None = None  # (op, module, argument shapes)
+        self.answered = 0  # value reads answered from real values
+        self.input_keys: set[int] = set()  # id() of the inputs' storages
+        self.failed_stage = SETUP
+        self.failed_on_input = False  # the failing op read an input tensor (or a view of one) directly
         self.rnns: list[tuple[int, Any, Any, int]] = []  # (events so far, op, argument specs, workspace serial)
         self.copies: list[tuple[int, int]] = []  # (events so far, bytes) of operand copies inside CPU GEMMs
         self.matmul = False  # cuBLAS would be used (and allocate its workspace) on CUDA
+
+    def _reads_input(self, args: Any, kwargs: Any) -> bool:
+        for a in list(args) + list((kwargs or {}).values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, torch.Tensor):
+                    try:
+                        if id(t.untyped_storage()) in self.input_keys:
+                            return True
+                    except (RuntimeError, NotImplementedError):
+                        pass
+        return False
 
     # --- module stack (global hooks installed by Tracker.__enter__) -----------------------------------------
     def _mod_pre(self, module: Any = None, *rest: Any) -> None:
@@ -108,6 +148,20 @@ class StepTracer(Tracker):
             if mode is not None:
                 return torch.device("meta") if mode.in_kernel_invocation else fake.fake_device
         kwargs = kwargs or {}
+        composite = _COMPOSITE.get(func)
+        if composite is None:
+            composite = _COMPOSITE[func] = _is_composite(func)
+        if composite:
+            # Under inference_mode, composite ops (linear, cross_entropy_loss, ...) reach the dispatch mode whole;
+            # the fake kernel would decompose them out of our sight. Their parts allocate real memory (the
+            # log-softmax inside a loss), so they are decomposed here, with this mode seeing each part.
+            _push_mode(self)
+            try:
+                out = func.decompose(*args, **kwargs)
+            finally:
+                _pop_mode()
+            if out is not NotImplemented:
+                return out
         if func is _ITEM:
             # A value read on the host. Optimizers such as Adafactor read norms; memory does not depend on
             # the value. In the model itself it may steer control flow, so it is reported as a problem.
@@ -116,13 +170,22 @@ class StepTracer(Tracker):
         try:
             out = func(*args, **kwargs)
         except FAKE_PROBLEMS as err:
-            if self.problem is None:
-                self.problem = (str(func), self.module() or "(top level)", type(err).__name__)
-            raise
+            # a value read or a value-dependent shape: answered from the real values of small tensors
+            # (masks, ids) when they are known, as the real run would answer it
+            known, out = answer(func, args, kwargs)
+            if not known:
+                if self.problem is None:
+                    self.problem = (str(func), self.module() or "(top level)", type(err).__name__)
+                raise
+            self.answered += 1
         except Exception:
             if self.failed_in is None:  # the module hooks unwind before the caller sees the exception
-                self.failed_in = (str(func), self.module() or "(top level)")
+                self.failed_in = (str(func), self.module() or "(top level)", _shapes(args, kwargs))
+                self.failed_stage = self.stage
+                self.failed_on_input = self._reads_input(args, kwargs)
             raise
+        else:
+            propagate(func, args, kwargs, out)
         self._see_outputs(out, func)
         packet = func.overloadpacket
         counter = flop_registry.get(packet)
