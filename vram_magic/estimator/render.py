@@ -4,10 +4,59 @@ from __future__ import annotations
 
 import html
 
-from ..render.html import bars_html, legend_html
-from ..render.text import bar, table
+from ..render import COLORS
+from ..report import CATEGORIES, LABELS, Breakdown
 from ..units import format_bytes
 from .result import Estimate, Strategy
+
+_LETTERS = {"parameters": "P", "gradients": "G", "optimizer_state": "O", "activations": "A", "other": "."}
+_SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
+          "other": "other"}
+
+
+def table(rows: list[tuple[str, Breakdown]]) -> str:
+    """Bytes per category, one row per breakdown, with the total."""
+    head = f"{'':<12}" + "".join(f"{_SHORT[c]:>11}" for c in CATEGORIES) + f"{'total':>11}"
+    lines = [head]
+    for name, b in rows:
+        lines.append(f"{name:<12}" + "".join(f"{format_bytes(b[c]):>11}" for c in CATEGORIES)
+                     + f"{format_bytes(b.total):>11}")
+    return "\n".join(lines)
+
+
+def bar(b: Breakdown, scale: int, width: int = 40) -> str:
+    """A bar of letters, one per category, ``width`` characters for ``scale`` bytes."""
+    out = "".join(_LETTERS[c] * round(width * b[c] / max(scale, 1)) for c in CATEGORIES)[:width]
+    return out.ljust(width)
+
+
+def bars_html(rows: list[tuple[str, Breakdown]], scale: int, capacity: int | None) -> str:
+    out = []
+    for name, b in rows:
+        segs = "".join(
+            f'<div title="{LABELS[c]}: {format_bytes(b[c])}" style="width:{100.0 * b[c] / scale:.3f}%;'
+            f'background:{COLORS[c]};height:100%;display:inline-block"></div>' for c in CATEGORIES if b[c] > 0)
+        marker = ""
+        if capacity:
+            left = min(100.0 * capacity / scale, 100.0)
+            marker = (f'<div title="capacity {format_bytes(capacity)}" style="position:absolute;left:{left:.3f}%;'
+                      'top:-2px;bottom:-2px;border-left:2px dashed currentColor"></div>')
+        out.append(
+            '<div style="display:flex;align-items:center;margin:2px 0;padding-right:1em">'
+            f'<div style="min-width:4.5em;font-weight:bold;white-space:nowrap">{html.escape(name)}</div>'
+            '<div style="min-width:6.5em;padding-right:.6em;text-align:right;font-family:monospace;'
+            f'white-space:nowrap">{format_bytes(b.total)}</div>'
+            '<div style="position:relative;flex:1;min-width:0;height:18px;background:var(--jp-layout-color2,#f3f3f3);'
+            f'white-space:nowrap;overflow:hidden;font-size:0">{segs}{marker}</div></div>')
+    return "".join(out)
+
+
+def legend_html(b: Breakdown) -> str:
+    items = "".join(
+        f'<span style="margin-right:1em"><span style="display:inline-block;width:.9em;height:.9em;'
+        f'background:{COLORS[c]};vertical-align:middle"></span> {LABELS[c]} {format_bytes(b[c])}</span>'
+        for c in CATEGORIES)
+    return f'<div style="font-size:85%;margin:4px 0">{items}</div>'
 
 
 def _title(est: Estimate) -> str:

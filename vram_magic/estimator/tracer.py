@@ -48,8 +48,12 @@ _COMPOSITE: dict[Any, bool] = {}
 
 
 def _is_composite(func: Any) -> bool:
+    """An op whose only kernel is its decomposition (no CPU kernel of its own, as ``silu_backward`` has)."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
     try:
-        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"))
+        name = func.name()
+        return bool(has(name, "CompositeImplicitAutograd") and not has(name, "CPU")
+                    and not has(name, "CompositeExplicitAutograd"))
     except (AttributeError, RuntimeError, TypeError):
         return False
 
