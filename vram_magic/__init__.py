@@ -36,11 +36,11 @@ def measure(device: Any = None, **kwargs: Any) -> Measurement:
     """``with vram_magic.measure() as m: ...`` — see :func:`vram_magic.engine.cell.measure`."""
     import sys
 
-    from .engine.cell import _FrameNamespace
     from .engine.cell import measure as _measure
+    from .engine.namespace import FrameNamespace
 
     if kwargs.get("namespace") is None:
-        kwargs["namespace"] = _FrameNamespace(sys._getframe(1))
+        kwargs["namespace"] = FrameNamespace(sys._getframe(1))
     return _measure(device, **kwargs)
 
 

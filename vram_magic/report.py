@@ -194,6 +194,7 @@ class CellReport:
     notes: tuple[str, ...] = ()
     source: str = ""
     trace: Trace | None = field(default=None, repr=False, compare=False)
+    backend: str = "tracker"  # which backend measured: "tracker" (dispatch level) or "allocator"
 
     @property
     def total(self) -> int:

@@ -27,6 +27,7 @@ class MemoryNow:
     breakdown: Breakdown
     stats: DeviceStats | None
     capacity: int | None
+    notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         from .render.text import now_text
@@ -58,7 +59,7 @@ class Session:
 
     # --- measuring -------------------------------------------------------------------------------
     def start(self, device: Any = None, *, budget: int | str | None = None, cell: int | None = None,
-              source: str = "") -> Measurement:
+              source: str = "", backend: str = "auto") -> Measurement:
         """Begin measuring; ``finish`` ends it. Refuses to nest."""
         from .engine.cell import Measurement
 
@@ -68,22 +69,21 @@ class Session:
         budget = parse_size(budget) if budget is not None else self.budget
         m = Measurement(device, namespace=self.namespace, budget=budget, previous=self.last,
                         registry=self.registry, record_sites=self.record_sites, cell=cell, source=source,
-                        cell_files=self.cell_files)
+                        cell_files=self.cell_files, backend=backend)
         m.__enter__()
         self.active = m
         return m
 
     def finish(self, exc: BaseException | None = None) -> CellReport | None:
-        """End the measurement and return its report. While the cell's own exception propagates, a failure to
-        build the report is a warning (``None`` is returned): the user's error is what they must see."""
+        """End the measurement and return its report. A failure to build the report is a warning (``None`` is
+        returned), never an error: what the cell itself did or raised is what the user must see."""
         m = self.active
-        assert m is not None, "finish() without start()"
+        if m is None:  # already finished (the extension was unloaded inside the measured cell)
+            return None
         self.active = None
         try:
             m.__exit__(type(exc) if exc is not None else None, exc, exc.__traceback__ if exc is not None else None)
         except Exception as err:
-            if exc is None:
-                raise
             import warnings
 
             warnings.warn(f"vram_magic could not build this cell's report: {type(err).__name__}: {err}",
@@ -91,7 +91,8 @@ class Session:
             return None
         finally:
             m.namespace = None
-        assert m.report is not None
+        if m.report is None:
+            return None
         self.history.append(m.report)
         return m.report
 
@@ -107,11 +108,11 @@ class Session:
     # --- reading ---------------------------------------------------------------------------------
     def now(self, device: Any = None) -> MemoryNow:
         from .engine import cuda
-        from .engine.cell import snapshot
+        from .engine.namespace import snapshot
 
         dev = cuda.resolve_device(device)
-        breakdown, stats = snapshot(dev, self.namespace, self.registry)
-        return MemoryNow(dev, breakdown, stats, self.budget or cuda.capacity(dev))
+        breakdown, stats, notes = snapshot(dev, self.namespace, self.registry)
+        return MemoryNow(dev, breakdown, stats, self.budget or cuda.capacity(dev), notes)
 
     def report(self, cell: int | str) -> CellReport:
         """The report of measured cell ``cell`` (its execution count); ``-1`` is the last one."""

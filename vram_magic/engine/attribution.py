@@ -3,6 +3,10 @@
 A scan walks the user's namespace (modules, optimizers, tensors, containers and plain objects, a few levels
 deep), then the autograd graphs hanging off the tensors it found. It returns plain data keyed by
 ``id(storage)``; the storages themselves are only registered (weakly) in the :class:`LiveStorages`.
+
+Nothing here may fail the user's cell: every read of a user object is guarded (objects whose attributes,
+``__class__`` or items raise, tensor subclasses that raise on access), and what could not be read, or was
+left out by a bound, is named in the scan's notes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import torch
 
 from .registry import LiveStorages
+from .tensors import grad, grad_fn, storage_parts
 
 _IPYTHON_NAMES = frozenset(
     {"In", "Out", "_ih", "_oh", "_dh", "_i", "_ii", "_iii", "exit", "quit", "get_ipython", "__builtins__",
@@ -23,8 +28,9 @@ _IPYTHON_NAMES = frozenset(
 )
 _OUTPUT_CACHE = re.compile(r"^(_+|_\d+)$")
 _INPUT_CACHE = re.compile(r"^_i+\d*$")
-_MAX_OBJECTS = 20_000
-_MAX_ITEMS = 1_000
+#: objects visited per scan; containers are read in full up to this bound, and what a bound leaves out is noted
+MAX_OBJECTS = 200_000
+_MAX_NOTES = 5
 
 # What the walker does with an object, decided once per type (isinstance chains are slow for many objects).
 # Keyed by id, with a weakref to check it: a class defined in a cell may hold tensors, and must not be kept.
@@ -43,7 +49,8 @@ def _kind(cls: type) -> int:
             kind = _MODULE
         elif issubclass(cls, torch.optim.Optimizer):
             kind = _OPTIMIZER
-        elif issubclass(cls, (str, bytes, int, float, complex, bool, type, type(None), set, frozenset)):
+        elif issubclass(cls, (str, bytes, bytearray, int, float, complex, bool, type, type(None), set, frozenset,
+                              range, memoryview)):
             kind = _SKIP
         elif issubclass(cls, Mapping):
             kind = _MAPPING
@@ -70,6 +77,7 @@ class Scan:
     holders: dict[int, str] = field(default_factory=dict)  # id(storage) -> variable name holding it
     module_names: dict[int, str] = field(default_factory=dict)  # id(module) -> "model.layers.3.mlp"
     optimizer_names: dict[int, str] = field(default_factory=dict)  # id(optimizer) -> "opt"
+    notes: list[str] = field(default_factory=list)  # what could not be read, or was left out
 
     def category(self, key: int) -> tuple[str, str]:
         return self.owner.get(key, ("other", "unattributed"))
@@ -84,47 +92,76 @@ class _Walker:
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self.cache_tensors: list[tuple[str, torch.Tensor]] = []
         self.seen: set[int] = set()
+        self.count = 0  # objects visited, scalars included (a list of a million floats costs its length)
+        self.unread: list[str] = []
+        self.skipped: dict[str, int] = {}  # container name -> items left out by the object bound
 
     # --- collect -------------------------------------------------------------------------------
     def visit(self, name: str, obj: Any, depth: int, cache: bool = False) -> None:
         try:
             self._visit(name, obj, depth, cache)
-        except Exception:  # a user object whose attributes or items raise: skip it, never fail the cell
-            pass
+        except Exception as err:  # a user object whose attributes or items raise: skip it, never fail the cell
+            self._unread(name, err)
+
+    def _unread(self, name: str, err: BaseException) -> None:
+        if len(self.unread) < _MAX_NOTES:
+            self.unread.append(f"{name} ({type(err).__name__})")
+        elif len(self.unread) == _MAX_NOTES:
+            self.unread.append("…")
+
+    def _full(self) -> bool:
+        return self.count >= MAX_OBJECTS
 
     def _visit(self, name: str, obj: Any, depth: int, cache: bool = False) -> None:
-        if id(obj) in self.seen or len(self.seen) > _MAX_OBJECTS:
+        self.count += 1
+        if id(obj) in self.seen:
+            return
+        kind = _kind(type(obj))
+        if kind == _SKIP:
             return
         self.seen.add(id(obj))
-        kind = _kind(type(obj))
         if kind == _TENSOR:
             (self.cache_tensors if cache else self.tensors).append((name, obj))
         elif kind == _MODULE:
             self.modules.append((name, obj))
         elif kind == _OPTIMIZER:
             self.optimizers.append((name, obj))
-        elif depth <= 0 or kind == _SKIP:
+        elif depth <= 0:
             return
         elif kind == _MAPPING:
-            for i, (k, v) in enumerate(obj.items()):
-                if i >= _MAX_ITEMS:
+            items = list(obj.items())
+            for i, (k, v) in enumerate(items):
+                if self._full():
+                    self.skipped[name] = self.skipped.get(name, 0) + len(items) - i
                     break
-                self.visit(f"{name}[{k!r}]", v, depth - 1, cache)
+                self.visit(f"{name}[{_key(k)}]", v, depth - 1, cache)
         elif kind == _SEQUENCE:
-            for i, v in enumerate(obj[:_MAX_ITEMS]):
+            for i, v in enumerate(obj):
+                if self._full():
+                    self.skipped[name] = self.skipped.get(name, 0) + len(obj) - i
+                    break
                 self.visit(f"{name}[{i}]", v, depth - 1, cache)
         else:
-            d = getattr(obj, "__dict__", None)
-            if isinstance(d, dict) and not callable(obj):
-                for k, v in list(d.items())[:_MAX_ITEMS]:
+            if callable(obj):
+                return
+            try:  # the instance's own dict, without running a class's __getattribute__
+                d = object.__getattribute__(obj, "__dict__")
+            except AttributeError:  # __slots__ only
+                return
+            if isinstance(d, dict):
+                for k, v in list(d.items()):
+                    if self._full():
+                        break
                     self.visit(f"{name}.{k}", v, depth - 1, cache)
 
     # --- assign (first claim wins: the order is the priority) -----------------------------------
     def claim(self, t: Any, category: str, label: str, holder: str | None = None) -> int | None:
-        try:
-            storage = t.untyped_storage()
-        except (AttributeError, RuntimeError, NotImplementedError):  # not a tensor, or sparse/nested
-            return None
+        key = None
+        for storage, kind in storage_parts(t):
+            key = self._own(storage, category, f"{label} ({kind})" if kind else label, holder)
+        return key
+
+    def _own(self, storage: Any, category: str, label: str, holder: str | None) -> int:
         key = id(storage)
         if self.registry.get(key) is None:
             self.registry.add(storage)
@@ -142,22 +179,28 @@ class _Walker:
         reg_get, reg_add = self.registry.get, self.registry.add
         owner, holders = self.scan.owner, self.scan.holders
         labels: dict[str, tuple[str, str]] = {}
+        plain = torch.Tensor
+        param = torch.nn.Parameter
         for t, name in items:
-            try:
-                storage = t.untyped_storage()
-            except (AttributeError, RuntimeError, NotImplementedError):
-                continue
-            key = id(storage)
-            if reg_get(key) is None:
-                reg_add(storage)
-            if key not in owner:
-                label = labels.get(name)
-                if label is None:
-                    label = labels[name] = (category, prefix + name)
-                owner[key] = label
-                holders[key] = name
+            cls = type(t)
+            if cls is plain or cls is param:
+                try:
+                    storage = t.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                key = id(storage)
+                if reg_get(key) is None:
+                    reg_add(storage)
+                if key not in owner:
+                    label = labels.get(name)
+                    if label is None:
+                        label = labels[name] = (category, prefix + name)
+                    owner[key] = label
+                    holders[key] = name
+            else:  # a subclass: its parts, guarded
+                self.claim(t, category, prefix + name, name)
             if grads is not None:
-                g = t.grad
+                g = t.grad if cls is plain or cls is param else grad(t)
                 if g is not None:
                     grads.append((g, name))
 
@@ -166,55 +209,103 @@ class _Walker:
         params: list[tuple[Any, str]] = []
         buffers: list[tuple[Any, str]] = []
         for name, m in self.modules:
-            # straight from each submodule's dicts: much cheaper than parameters()/buffers() generators
-            subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
-            for subname, sub in subs:
-                names.setdefault(id(sub), subname)
-                for p in sub._parameters.values():
-                    if p is not None:
-                        params.append((p, name))
-                if sub._buffers:
-                    for b in sub._buffers.values():
-                        if b is not None:
-                            buffers.append((b, name))
+            try:
+                self._module(name, m, names, params, buffers)
+            except Exception as err:
+                self._unread(name, err)
         for name, opt in self.optimizers:
-            self.scan.optimizer_names.setdefault(id(opt), name)
-            params.extend((p, name) for group in opt.param_groups for p in group.get("params", ()))
+            try:
+                self.scan.optimizer_names.setdefault(id(opt), name)
+                params.extend((p, name) for group in opt.param_groups for p in group.get("params", ()))
+            except Exception as err:
+                self._unread(name, err)
         grads: list[tuple[Any, str]] = []
         self._claim_all(params, "parameters", grads=grads)
         self._claim_all(grads, "gradients")
         for name, opt in self.optimizers:
-            for state in opt.state.values():
+            try:
+                states = list(opt.state.values())
+            except Exception as err:
+                self._unread(f"{name}.state", err)
+                continue
+            for state in states:
                 if isinstance(state, Mapping):
-                    for v in state.values():
-                        self.claim(v, "optimizer_state", name, name)
+                    for v in list(state.values()):
+                        if isinstance(v, torch.Tensor):
+                            self.claim(v, "optimizer_state", name, name)
         self._claim_all(buffers, "other", "buffers of ")
+        graphs: list[tuple[str, Any]] = []
         for name, t in self.tensors:
             # a forward output (part of a graph) is an activation; a leaf (input, user data) is "other"
-            self.claim(t, "activations" if t.grad_fn is not None else "other", name, name)
+            fn = grad_fn(t)
+            self.claim(t, "activations" if fn is not None else "other", name, name)
+            if fn is not None:
+                graphs.append((name, fn))
         for name, t in self.cache_tensors:
             self.claim(t, "other", f"output cache {name}", name)
-        for name, t in self.tensors + self.cache_tensors:
-            if t.grad_fn is not None:
-                for saved, is_leaf in saved_tensors(t.grad_fn):
+            fn = grad_fn(t)
+            if fn is not None:
+                graphs.append((name, fn))
+        for name, fn in graphs:
+            try:
+                for saved, is_leaf in saved_tensors(fn):
                     if is_leaf:  # a parameter no module or optimizer in the namespace knows any more
                         self.claim(saved, "parameters", f"held by the graph of {name}", name)
                     else:
                         self.claim(saved, "activations", f"graph held by {name}", name)
+            except Exception as err:
+                self._unread(f"the autograd graph of {name}", err)
+        self._notes()
         return self.scan
+
+    def _module(self, name: str, m: torch.nn.Module, names: dict[int, str], params: list[tuple[Any, str]],
+                buffers: list[tuple[Any, str]]) -> None:
+        # straight from each submodule's dicts: much cheaper than parameters()/buffers() generators
+        subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
+        for subname, sub in subs:
+            names.setdefault(id(sub), subname)
+            for p in sub._parameters.values():
+                if p is not None:
+                    params.append((p, name))
+            if sub._buffers:
+                for b in sub._buffers.values():
+                    if b is not None:
+                        buffers.append((b, name))
+
+    def _notes(self) -> None:
+        notes = self.scan.notes
+        if self.unread:
+            notes.append("the scan could not read " + ", ".join(self.unread) + "; memory only they hold counts as "
+                         "unattributed")
+        if self.skipped:
+            what = ", ".join(f"{n} ({k:,} items)" for n, k in list(self.skipped.items())[:_MAX_NOTES])
+            notes.append(f"the scan stopped after {MAX_OBJECTS:,} objects and did not look into {what}; memory only "
+                         "they hold counts as unattributed")
+
+
+def _key(k: Any) -> str:
+    try:
+        text = repr(k)
+    except Exception:
+        return "?"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def scan_namespace(namespace: Mapping[str, Any] | None, registry: LiveStorages, depth: int = 3) -> Scan:
     """Attribute every storage reachable from ``namespace`` (an IPython ``user_ns`` or a module's globals)."""
     walker = _Walker(registry)
     if namespace:
-        items = list(namespace.items())
-        out = namespace.get("Out")
-        if isinstance(out, Mapping):  # first, so cached outputs get their `_N` names
+        try:
+            items = list(namespace.items())
+        except Exception as err:
+            walker._unread("the namespace", err)
+            items = []
+        out = namespace.get("Out") if isinstance(namespace, Mapping) else None
+        if isinstance(out, dict):  # first, so cached outputs get their `_N` names
             for k, v in list(out.items()):
                 walker.visit(f"_{k}", v, depth, cache=True)
         for name, value in items:
-            if name in _IPYTHON_NAMES:
+            if not isinstance(name, str) or name in _IPYTHON_NAMES:
                 continue
             if name[:1] == "_":  # IPython's caches and dunder names all start with one
                 if name.startswith("__") or _INPUT_CACHE.match(name):
@@ -260,9 +351,13 @@ def saved_tensors(root: Any, limit: int = 200_000) -> Iterable[tuple[torch.Tenso
                 for v in value:
                     if isinstance(v, torch.Tensor):
                         yield v, False
-        leaf = getattr(node, "variable", None)
+        try:
+            leaf = getattr(node, "variable", None)
+            nexts = getattr(node, "next_functions", ())
+        except Exception:
+            continue
         if isinstance(leaf, torch.Tensor):
             yield leaf, True
-        for nxt, _ in getattr(node, "next_functions", ()):
+        for nxt, _ in nexts:
             if nxt is not None and id(nxt) not in seen:
                 stack.append(nxt)

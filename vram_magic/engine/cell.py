@@ -1,9 +1,19 @@
-"""``measure()``: the context manager that turns a block of code into a :class:`CellReport`."""
+"""``measure()``: the context manager that turns a block of code into a :class:`CellReport`.
+
+Two backends record what happens inside the block (see README, "How it measures"):
+
+* ``tracker`` — a dispatch mode that sees every tensor each op returns: the phase, module and line of every
+  allocation, and a simulated budget enforced on the CPU; compiled code runs eagerly under it.
+* ``allocator`` — the profiler's record of the allocator's own allocations and frees: compiled code runs as
+  compiled and kernel scratch is seen; phases come from the profiler's scopes, lines and modules are not known.
+
+``auto`` (the default) takes the tracker unless the block runs compiled code, or a dispatch mode of the user's
+is active when it starts.
+"""
 
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import time
 from collections.abc import Mapping
@@ -16,32 +26,17 @@ from ..report import Breakdown, CellReport, DeviceStats, LiveStatus, OomInfo
 from ..trace import Block, Trace
 from ..units import format_bytes, parse_size
 from . import cuda
+from .allocator import AllocatorRecorder, Replayed, profiler_busy, replay
 from .attribution import Scan, scan_namespace
-from .frames import is_user_code, resolve_site
+from .categories import LIVE_PHASE_CATEGORY, PHASE_CATEGORY, UNATTRIBUTED, UNSCOPED, holder_name
+from .compiled import compiled_reason
+from .frames import SiteNamer
+from .namespace import FrameNamespace, add_other
+from .oom import release_traceback
 from .registry import LiveStorages
-from .tracker import BACKWARD, CELL, FORWARD, INFERENCE, OPTIMIZER, PHASE_NAMES, Tracker
+from .tracker import FORWARD, PHASE_NAMES, Tracker
 
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# What an allocation freed before the cell ended counts as, by the phase it was made in.
-PHASE_CATEGORY = {
-    FORWARD: ("activations", "forward intermediates"),
-    INFERENCE: ("activations", "forward intermediates (no grad)"),
-    # gradients of activations flowing through backward: they scale with the batch like activations do
-    BACKWARD: ("activations", "activation gradients (backward)"),
-    OPTIMIZER: ("other", "optimizer temporaries"),
-    CELL: ("other", "temporaries"),
-}
-
-# While the block runs: what memory made in each phase counts as in the live view (before the end-of-block scan
-# tells which of it became gradients or optimizer state).
-LIVE_PHASE_CATEGORY = {
-    FORWARD: ("activations", "forward intermediates"),
-    INFERENCE: ("activations", "forward intermediates (no grad)"),
-    BACKWARD: ("activations", "made during backward"),
-    OPTIMIZER: ("other", "made by the optimizer step"),
-    CELL: ("other", "made by the cell's code"),
-}
+BACKENDS = ("auto", "tracker", "allocator")
 
 _shared_registry = LiveStorages()
 
@@ -53,6 +48,22 @@ def _default_registry() -> LiveStorages:
     if _shared_registry.on_free is None:
         return _shared_registry
     return LiveStorages()
+
+
+def check_backend(backend: Any) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    return backend
+
+
+def _dispatch_modes_active() -> bool:
+    """A dispatch mode of the user's (not a measuring block's own tracker) is on the stack."""
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        return any(not isinstance(m, Tracker) for m in _get_current_dispatch_mode_stack())
+    except Exception:
+        return False
 
 
 class Measurement:
@@ -72,6 +83,7 @@ class Measurement:
         cell: int | None = None,
         source: str = "",
         cell_files: Mapping[str, int] | None = None,
+        backend: str = "auto",
     ) -> None:
         self.device = cuda.resolve_device(device)
         self.namespace = namespace
@@ -83,8 +95,13 @@ class Measurement:
         self.cell = cell
         self.source = source
         self.cell_files = cell_files
+        self.requested_backend = check_backend(backend)
+        self.backend = ""  # the one chosen when the block starts
+        self.backend_reason = ""
         self.report: CellReport | None = None
         self._tracker: Tracker | None = None
+        self._recorder: AllocatorRecorder | None = None
+        self._running = False
 
     # --- forward to the report once there is one --------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -108,26 +125,58 @@ class Measurement:
 
     def status(self) -> LiveStatus | None:
         """The block so far (safe to call from another thread while it runs); ``None`` before it starts and
-        after it ends."""
-        tracker = self._tracker
-        if tracker is None:
+        after it ends. The allocator backend knows its numbers only at the end: ``now``/``peak`` are ``None``."""
+        if not self._running:
             return None
         elapsed = time.perf_counter() - self._t0
+        tracker = self._tracker
+        if tracker is None:
+            return LiveStatus(device=self.device, backend=self.backend, elapsed=elapsed, phase="")
         rows = dict(self._before_rows)
         owner = self._before_owner
         for serial, size in list(tracker.initial_freed.items()):
-            cat = owner.get(serial, _UNATTRIBUTED)
+            cat = owner.get(serial, UNATTRIBUTED)
             rows[cat] = rows.get(cat, 0) - size
         for phase, size in enumerate(list(tracker.phase_bytes)):
             if size:
                 cat = LIVE_PHASE_CATEGORY[phase]
                 rows[cat] = rows.get(cat, 0) + size
         for size in list(tracker.late.values()):
-            rows[_UNATTRIBUTED] = rows.get(_UNATTRIBUTED, 0) + size
+            rows[UNATTRIBUTED] = rows.get(UNATTRIBUTED, 0) + size
         rows = {k: v for k, v in rows.items() if v > 0}
         return LiveStatus(device=self.device, backend="tracker", elapsed=elapsed,
                           phase=PHASE_NAMES[tracker.last_phase], now=tracker.current, peak=tracker.peak,
                           breakdown=Breakdown.from_rows(rows))
+
+    # --- which backend ---------------------------------------------------------------------------
+    def _choose_backend(self) -> tuple[str, str]:
+        want = self.requested_backend
+        busy = profiler_busy()
+        if want == "tracker":
+            return "tracker", "asked for"
+        if want == "allocator":
+            if busy:
+                return "tracker", ("the allocator backend was asked for, but a profiler is already recording in this "
+                                   "process (PyTorch runs one at a time): measured by the tracker")
+            return "allocator", "asked for"
+        compiled = compiled_reason(self.namespace, self.source)
+        if _dispatch_modes_active():
+            if busy:
+                return "tracker", ""
+            return "allocator", "a dispatch mode of yours was active when the block started"
+        if not compiled:
+            return "tracker", ""
+        if self.budget is not None and self.device == "cpu":
+            return "tracker", (f"{compiled}, but a --budget on the CPU is enforced by the tracker, under which "
+                               "compiled code runs eagerly: the figures are the eager step's")
+        if busy:
+            return "tracker", (f"{compiled}, but a profiler is already recording in this process: compiled code "
+                               "runs eagerly under the tracker, and the figures are the eager step's")
+        if "profile" in self.source:
+            return "tracker", (f"{compiled}, but the cell may start PyTorch's profiler, which would end the "
+                               "allocator recording: measured by the tracker, under which compiled code runs "
+                               "eagerly (use --backend allocator to measure it compiled)")
+        return "allocator", compiled
 
     # --- measuring -------------------------------------------------------------------------------
     def __enter__(self) -> Measurement:
@@ -135,75 +184,149 @@ class Measurement:
             self.registry = _default_registry()
         self._stats_before = self._stats()
         self._scan_before = scan = scan_namespace(self.namespace, self.registry)
-        # one pass over what is alive: the split before, who owned what, and the tracker's starting point
+        # one pass over what is alive: the split before, who owned what, and the backend's starting point
         rows: dict[tuple[str, str], int] = {}
         owner: dict[int, tuple[str, str]] = {}
         initial: dict[int, int] = {}
         category = scan.owner.get
         for key, entry in self.registry.entries(self.device):
-            cat = category(key, _UNATTRIBUTED)
+            cat = category(key, UNATTRIBUTED)
             size = entry.size
             rows[cat] = rows.get(cat, 0) + size
             initial[entry.serial] = size
             owner[entry.serial] = cat
         self._before_rows, self._before_owner = rows, owner
+        self.backend, self.backend_reason = self._choose_backend()
         self._history = None
         self._fraction = None
-        if self.device.startswith("cuda"):
-            if self.record_sites:
-                self._history = cuda.History(self.device).start()
-            if self.budget is not None:  # the allocator itself stops at the budget, as a smaller GPU would
-                self._fraction = cuda.Fraction(self.device, self.budget).__enter__()
-        self._tracker = Tracker(self.registry, self.device, budget=self.budget, record_sites=self.record_sites,
-                                initial=initial)
-        self._t0 = time.perf_counter()
-        self._tracker.__enter__()
+        try:
+            if self.device.startswith("cuda"):
+                if self.record_sites:
+                    self._history = cuda.History(self.device).start()
+                if self.budget is not None:  # the allocator itself stops at the budget, as a smaller GPU would
+                    self._fraction = cuda.Fraction(self.device, self.budget).__enter__()
+            if self.backend == "allocator":
+                self._initial_addrs = self._addresses(initial)
+                self._recorder = AllocatorRecorder(self.device)
+                self._t0 = time.perf_counter()
+                self._recorder.start()
+            else:
+                self._tracker = Tracker(self.registry, self.device, budget=self.budget,
+                                        record_sites=self.record_sites, initial=initial)
+                self._t0 = time.perf_counter()
+                self._tracker.__enter__()
+        except BaseException:
+            self._undo_cuda()
+            raise
+        self._running = True
         return self
+
+    def _addresses(self, initial: Mapping[int, int]) -> dict[int, tuple[int, int]]:
+        """serial → (address, size) of the storages alive at the start (the allocator reports addresses)."""
+        out: dict[int, tuple[int, int]] = {}
+        for _, entry in self.registry.entries(self.device):
+            storage = entry()
+            if storage is None or entry.serial not in initial:
+                continue
+            try:
+                addr = int(storage.data_ptr())
+            except Exception:
+                addr = 0
+            out[entry.serial] = (addr, entry.size)
+        return out
+
+    def _undo_cuda(self) -> None:
+        try:
+            if self._fraction is not None:
+                self._fraction.__exit__()
+        finally:
+            self._fraction = None
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        tracker = self._tracker
-        assert tracker is not None
-        tracker.__exit__(exc_type, exc, tb)
-        wall = time.perf_counter() - self._t0
-        if self._fraction is not None:
-            self._fraction.__exit__()
-        self._history_peak = None
-        if self._history is not None:
-            self._history_peak = self._history.cell_peak(self._history.stop())
-        oom_index = len(tracker.events)
+        """Stop recording (always), then build the report. A report that cannot be built is a warning, never
+        an error that would replace what the block itself raised or did."""
+        self._running = False
         notes: list[str] = []
+        tracker = self._tracker
+        recorder = self._recorder
+        self._tracker = self._recorder = None
+        replayed: Replayed | None = None
+        history = self._history
+        self._history = None
+        snap = None
+        try:
+            if tracker is not None:
+                tracker.__exit__(exc_type, exc, tb)
+            elif recorder is not None:
+                recording = recorder.stop()
+                if not recording.complete:
+                    notes.append("PyTorch's profiler was started inside the block and ended the allocator's "
+                                 "recording (PyTorch runs one profiler at a time): the peak is the larger of before "
+                                 "and after")
+                replayed = replay(recording, self._initial_addrs, self.registry.next_serial)
+        finally:
+            wall = time.perf_counter() - self._t0
+            try:
+                self._undo_cuda()
+            finally:
+                if history is not None:
+                    snap = history.stop()
+        try:
+            self._build(tracker, replayed, history, snap, notes, wall, exc_type, exc, tb)
+        except Exception as err:
+            import warnings
+
+            self.report = None
+            self.namespace = None
+            warnings.warn(f"vram_magic could not build the report of this block: {type(err).__name__}: {err}",
+                          RuntimeWarning, stacklevel=2)
+
+    def _build(self, tracker: Tracker | None, replayed: Replayed | None, history: Any, snap: Any,
+               notes: list[str], wall: float, exc_type: type[BaseException] | None, exc: BaseException | None,
+               tb: TracebackType | None) -> None:
+        self._history_peak = history.cell_peak(snap) if history is not None and snap is not None else None
+        source = tracker if tracker is not None else replayed
+        assert source is not None
+        oom_index = len(source.events)
         is_oom = exc_type is not None and issubclass(exc_type, torch.OutOfMemoryError)
         # Frees caused by the clean-up below still count as this cell's events.
-        self.registry.on_free = tracker._freed
+        if tracker is not None:
+            self.registry.on_free = tracker._freed
         try:
             if is_oom and tb is not None:
                 release_traceback(tb)
                 gc.collect()
             scan_after = scan_namespace(self.namespace, self.registry)
         finally:
-            self.registry.on_free = None
-        allocs, initial, late = tracker.allocs, tracker.initial, tracker.late
-        alive: dict[int, int] = {}  # serial -> key of every storage alive now
-        for key, entry in self.registry.entries(self.device):
-            serial = entry.serial
-            alive[serial] = key
-            if serial not in initial and serial not in allocs and serial not in late:
-                tracker.adopt(entry)
+            if tracker is not None:
+                self.registry.on_free = None
+        if tracker is not None:
+            alive = self._alive_tracked(tracker)
+        else:
+            assert replayed is not None
+            alive = self._alive_replayed(replayed)
+        trace = self._trace(source, scan_after, alive)
         stats_after = self._stats()
-        trace = self._trace(tracker, scan_after, alive)
         after = trace.breakdown_at(len(trace.events)) if not trace.truncated else Breakdown.from_rows(
-            self._rows(scan_after, tracker.allocs))
+            self._rows(scan_after, source.allocs))
         peak = after if trace.peak_index == len(trace.events) else trace.breakdown_at(trace.peak_index)
-        if tracker.truncated:
+        if source.truncated:
             notes.append("history was truncated after 2,000,000 events; the peak split is approximate")
+        notes.extend(self._scan_before.notes)
+        notes.extend(n for n in scan_after.notes if n not in self._scan_before.notes)
+        if self.backend == "allocator":
+            notes.append(f"measured at the allocator ({self.backend_reason}): memory is split by phase, not by "
+                         "line or module")
+        elif self.backend_reason and self.backend_reason != "asked for":
+            notes.append(self.backend_reason)
         before_rows = dict(self._before_rows)
-        for size in tracker.late.values():
-            before_rows[("other", "unattributed")] = before_rows.get(("other", "unattributed"), 0) + size
+        for size in source.late.values():
+            before_rows[UNATTRIBUTED] = before_rows.get(UNATTRIBUTED, 0) + size
         before = Breakdown.from_rows(before_rows)
         after, peak = self._reconcile(after, peak, stats_after, notes)
         base = self.previous.after if self.previous is not None else before
-        oom = self._oom_info(tracker, trace, oom_index, exc) if is_oom else None
+        oom = self._oom_info(source, trace, oom_index, exc) if is_oom else None
         from ..advice import advise
 
         report = CellReport(
@@ -220,15 +343,61 @@ class Measurement:
             stats=stats_after,
             error=None if exc_type is None else f"{exc_type.__name__}: {exc}",
             oom=oom,
-            notes=tuple(notes),
+            notes=tuple(dict.fromkeys(notes)),
             source=self.source,
             trace=trace,
+            backend=self.backend,
         )
         # the report is not shared yet: set its advice in place (dataclasses.replace would build it twice)
         object.__setattr__(report, "advice", tuple(advise(report)))
         self.report = report
-        self._tracker = None
         self.namespace = None  # may be a live frame's namespace: hold nothing after the block
+
+    def _alive_tracked(self, tracker: Tracker) -> dict[int, int]:
+        """serial → key of every storage alive now; storages that appeared without passing through dispatch
+        (``torch.from_numpy``, compiled kernels) are counted as allocated at the end of the block."""
+        allocs, initial, late = tracker.allocs, tracker.initial, tracker.late
+        alive: dict[int, int] = {}
+        for key, entry in self.registry.entries(self.device):
+            serial = entry.serial
+            alive[serial] = key
+            if serial not in initial and serial not in allocs and serial not in late:
+                tracker.adopt(entry)
+        return alive
+
+    def _alive_replayed(self, rep: Replayed) -> dict[int, int]:
+        """The same from the allocator's record: blocks alive at the end are matched to the storages the scan
+        found by address."""
+        by_addr: dict[int, tuple[int, Any]] = {}
+        alive: dict[int, int] = {}
+        freed = {-ev for ev in rep.events if ev < 0}
+        for key, entry in self.registry.entries(self.device):
+            if entry.serial in rep.initial:
+                if entry.serial not in freed:
+                    alive[entry.serial] = key
+                continue
+            storage = entry()
+            try:
+                addr = int(storage.data_ptr()) if storage is not None else 0
+            except Exception:
+                addr = 0
+            by_addr.setdefault(addr, (key, entry))
+        for serial, addr in rep.addr.items():
+            hit = by_addr.pop(addr, None) if addr else None
+            if hit is not None:
+                alive[serial] = hit[0]
+                hit[1].serial = serial  # the storage's entry takes the block's serial: later blocks see it
+        for key, entry in by_addr.values():  # found by the scan, never allocated through the allocator
+            if entry.serial in rep.allocs or entry.serial in rep.late:
+                continue
+            rep.allocs[entry.serial] = (entry.size, FORWARD, (), 0)
+            rep.events.append(entry.serial)
+            rep.current += entry.size
+            if rep.current > rep.peak:
+                rep.peak = rep.current
+                rep.peak_index = len(rep.events)
+            alive[entry.serial] = key
+        return alive
 
     def _stats(self) -> DeviceStats | None:
         if self.device.startswith("cuda"):
@@ -239,44 +408,49 @@ class Measurement:
         rows: dict[tuple[str, str], int] = {}
         for key, entry in self.registry.entries(self.device):
             alloc = allocs.get(entry.serial)
-            cat = _category(scan, key, alloc[1] if alloc is not None else None)
+            owner = scan.owner.get(key)
+            cat = owner if owner is not None else PHASE_CATEGORY[alloc[1]] if alloc is not None else UNATTRIBUTED
             rows[cat] = rows.get(cat, 0) + entry.size
         return rows
 
-    def _trace(self, tracker: Tracker, scan_after: Scan, alive: Mapping[int, int]) -> Trace:
+    def _trace(self, source: Tracker | Replayed, scan_after: Scan, alive: Mapping[int, int]) -> Trace:
         blocks: dict[int, Block] = {}
-        freed = {-ev for ev in tracker.events if ev < 0}
+        freed = {-ev for ev in source.events if ev < 0}
         base: dict[tuple[str, str], int] = {}
         initial = []
         category = scan_after.owner.get
-        for start in (tracker.initial, tracker.late):
+        for start in (source.initial, source.late):
             for serial, size in start.items():
                 key = alive.get(serial)
                 if key is None or serial in freed:
-                    cat = category(key, _UNATTRIBUTED) if key is not None else \
-                        self._before_owner.get(serial, _UNATTRIBUTED)
+                    cat = category(key, UNATTRIBUTED) if key is not None else \
+                        self._before_owner.get(serial, UNATTRIBUTED)
                     blocks[serial] = Block(serial, size, cat[0], cat[1])
                     initial.append(serial)
                 else:  # alive throughout: a constant, summed
-                    cat = category(key, _UNATTRIBUTED)
+                    cat = category(key, UNATTRIBUTED)
                     base[cat] = base.get(cat, 0) + size
         names = {**self._scan_before.module_names, **scan_after.module_names}
-        sites = _SiteNamer(self.cell_files)
+        sites = SiteNamer(self.cell_files)
         optimizers = {**self._scan_before.optimizer_names, **scan_after.optimizer_names}
-        roles = tracker.roles
+        roles = source.roles
         phase_names = PHASE_NAMES
-        for serial, (size, phase, site, module) in tracker.allocs.items():
+        unscoped = isinstance(source, Replayed)
+        for serial, (size, phase, site, module) in source.allocs.items():
             key = alive.get(serial)
             cat = category(key) if key is not None else None
             if cat is None:
-                if key is None and serial in roles:  # freed in the cell, but the optimizer step saw what it was
-                    role, owner = roles[serial]
-                    cat = (role, optimizers.get(owner, "optimizer"))
+                role = roles.get(serial)
+                if role is not None:
+                    label = role[1]
+                    cat = (role[0], optimizers.get(label, "optimizer") if isinstance(label, int) else label)
+                elif unscoped and phase == FORWARD:
+                    cat = UNSCOPED
                 else:
                     cat = PHASE_CATEGORY[phase]
             blocks[serial] = Block(serial, size, cat[0], cat[1], sites(site) if site else (), phase_names[phase],
                                    names.get(module, "") if module else "")
-        return Trace(self.device, blocks, tuple(initial), tracker.events, tracker.peak_index, tracker.truncated,
+        return Trace(self.device, blocks, tuple(initial), source.events, source.peak_index, source.truncated,
                      base=tuple((c, lab, n) for (c, lab), n in base.items()))
 
     def _reconcile(self, after: Breakdown, peak: Breakdown, stats: DeviceStats | None,
@@ -286,31 +460,32 @@ class Measurement:
             return after, peak
         extra = stats.allocated - after.total
         if extra > 0:
-            after = _add_other(after, "allocator: workspaces and untracked", extra)
+            after = add_other(after, "allocator: workspaces and untracked", extra)
         alloc_peak = self._history_peak
         if alloc_peak is None:
             alloc_peak = cuda.peak_if_risen(self._stats_before, stats)
         if alloc_peak is not None and alloc_peak > peak.total:
-            peak = _add_other(peak, "allocator: kernel scratch and untracked", alloc_peak - peak.total)
+            peak = add_other(peak, "allocator: kernel scratch and untracked", alloc_peak - peak.total)
         elif alloc_peak is None:
             notes.append("without the allocator's history (--no-trace) and with the global peak not rising in "
                          "this cell, the cell's peak is the tracked one; max_memory_allocated was left untouched")
         return after, peak
 
-    def _oom_info(self, tracker: Tracker, trace: Trace, index: int, exc: BaseException | None) -> OomInfo:
-        info = tracker.oom or {}
-        if not info and exc is not None:  # raised by the CUDA allocator itself, not by the tracker's budget
-            info = {"requested": cuda.requested_bytes(str(exc))}
+    def _oom_info(self, source: Tracker | Replayed, trace: Trace, index: int,
+                  exc: BaseException | None) -> OomInfo:
+        info = source.oom or {}
+        if not info.get("requested") and exc is not None:  # raised by the CUDA allocator itself
+            info = {**info, "requested": cuda.requested_bytes(str(exc))}
         live = trace.breakdown_at(index)
-        names = tracker.oom_holders
+        names = source.oom_holders
         holders: dict[str, int] = {}
         for _, label, n in trace.base:
-            name = _holder_name(label)
+            name = holder_name(label)
             if name:
                 holders[name] = holders.get(name, 0) + n
         for serial in trace.alive_at(index):
             b = trace.blocks[serial]
-            name = names.get(serial) or _holder_name(b.label)
+            name = names.get(serial) or holder_name(b.label)
             if name:
                 holders[name] = holders.get(name, 0) + b.size
         return OomInfo(
@@ -319,131 +494,9 @@ class Measurement:
             capacity=self.budget if self.budget is not None else cuda.capacity(self.device),
             live=live,
             holders=tuple(sorted(holders.items(), key=lambda kv: -kv[1])),
-            site=_SiteNamer(self.cell_files)(info.get("site", ())),
+            site=SiteNamer(self.cell_files)(info.get("site", ())),
             phase=PHASE_NAMES[info["phase"]] if "phase" in info else "",
         )
-
-
-_UNATTRIBUTED = ("other", "unattributed")
-_NOT_VARIABLES = {label for _, label in PHASE_CATEGORY.values()} | {"unattributed", ""}
-
-
-def _holder_name(label: str) -> str:
-    """The variable behind a detail label (``graph held by loss`` → ``loss``); "" for labels that name none."""
-    if label in _NOT_VARIABLES or label.startswith(("buffers of ", "output cache ", "held by the graph of ")):
-        return ""
-    if label.startswith("graph held by "):
-        return label[len("graph held by "):]
-    return label
-
-
-class _SiteNamer:
-    """Resolves raw sites (``(code, lasti, …)``) to ``(file, line, function)`` frames, once per distinct site,
-    and names the files IPython compiles cells into (``/tmp/ipykernel_…/123.py``) as ``<cell N>``."""
-
-    def __init__(self, cell_files: Mapping[str, int] | None) -> None:
-        self.cell_files = cell_files or {}
-        self.done: dict[int, tuple[tuple[str, int, str], ...]] = {}
-
-    def __call__(self, raw: tuple[Any, ...]) -> tuple[tuple[str, int, str], ...]:
-        if not raw:
-            return ()
-        named = self.done.get(id(raw))
-        if named is None:
-            files = self.cell_files
-            named = tuple((f"<cell {files[f]}>" if f in files else f, line, name)
-                          for f, line, name in resolve_site(raw))
-            self.done[id(raw)] = named
-        return named
-
-
-def release_traceback(tb: TracebackType) -> None:
-    """After an OOM: end the traceback at the user's last frame (as a real CUDA OOM does) and clear the
-    locals of the finished frames, which hold the memory that ran out. Our own frames keep theirs."""
-    last_user = None
-    t: TracebackType | None = tb
-    while t is not None:
-        if is_user_code(t.tb_frame.f_code):
-            last_user = t
-        t = t.tb_next
-    if last_user is not None and last_user.tb_next is not None:
-        rest: TracebackType | None = last_user.tb_next
-        last_user.tb_next = None
-        while rest is not None:
-            try:
-                rest.tb_frame.clear()
-                rest.tb_frame.f_locals  # noqa: B018
-            except RuntimeError:
-                pass
-            rest = rest.tb_next
-    t = tb
-    while t is not None:
-        if not t.tb_frame.f_code.co_filename.startswith(_OWN_DIR):
-            try:
-                t.tb_frame.clear()
-                # A dict made earlier by reading `f_locals` outlives clear(); reading it again empties it.
-                t.tb_frame.f_locals  # noqa: B018
-            except RuntimeError:  # still executing
-                pass
-        t = t.tb_next
-
-
-def _category(scan: Scan, key: int, phase: int | None) -> tuple[str, str]:
-    owner = scan.owner.get(key)
-    if owner is not None:
-        return owner
-    if phase is not None:
-        return PHASE_CATEGORY[phase]
-    return ("other", "unattributed")
-
-
-def _add_other(b: Breakdown, label: str, n: int) -> Breakdown:
-    rows = {(c, lab): v for c, lab, v in b.detail}
-    for c in b:
-        covered = sum(v for (cc, _), v in rows.items() if cc == c)
-        if b[c] - covered:
-            rows[(c, "")] = rows.get((c, ""), 0) + b[c] - covered
-    rows[("other", label)] = rows.get(("other", label), 0) + n
-    return Breakdown.from_rows(rows)
-
-
-def snapshot(device: str, namespace: Mapping[str, Any] | None,
-             registry: LiveStorages) -> tuple[Breakdown, DeviceStats | None]:
-    """The memory of ``device`` now, split by category (no tracking: a scan of the namespace)."""
-    scan = scan_namespace(namespace, registry)
-    rows: dict[tuple[str, str], int] = {}
-    for key, entry in registry.entries(device):
-        cat = scan.category(key)
-        rows[cat] = rows.get(cat, 0) + entry.size
-    now = Breakdown.from_rows(rows)
-    stats = cuda.device_stats(device) if device.startswith("cuda") else None
-    if stats is not None and stats.allocated > now.total:
-        now = _add_other(now, "allocator: workspaces and untracked", stats.allocated - now.total)
-    return now, stats
-
-
-class _FrameNamespace(Mapping[str, Any]):
-    """The caller's globals and locals, read afresh at each scan (variables made in the block count)."""
-
-    def __init__(self, frame: Any) -> None:
-        self._frame = frame
-
-    def _merged(self) -> dict[str, Any]:
-        merged = dict(self._frame.f_globals)
-        merged.update(self._frame.f_locals)
-        return merged
-
-    def __getitem__(self, key: str) -> Any:
-        return self._merged()[key]
-
-    def __iter__(self) -> Any:
-        return iter(self._merged())
-
-    def __len__(self) -> int:
-        return len(self._merged())
-
-    def items(self) -> Any:
-        return self._merged().items()
 
 
 def measure(
@@ -453,6 +506,7 @@ def measure(
     budget: int | str | None = None,
     previous: CellReport | None = None,
     record_sites: bool = True,
+    backend: str = "auto",
 ) -> Measurement:
     """Measure the memory of a block of code::
 
@@ -461,18 +515,20 @@ def measure(
         print(m.peak["activations"], m.report)
 
     ``namespace``: where to look for models, optimizers and tensors to attribute memory to (default: the
-    caller's globals). ``budget``: simulated device size (``"48MiB"``); past it the block raises
-    ``torch.OutOfMemoryError``. ``previous``: a report to diff against.
+    caller's globals and locals). ``budget``: simulated device size (``"48MiB"``); past it the block raises
+    ``torch.OutOfMemoryError``. ``previous``: a report to diff against. ``backend``: ``"auto"``,
+    ``"tracker"`` or ``"allocator"`` (see the module's docstring); the report's ``backend`` says which measured.
 
     Blocks may nest (each counts what happens inside it). Between blocks, storages stay known to one
     process-wide weak registry: what an earlier block saw and is still alive counts in the next block's
     ``before`` even where ``namespace`` does not reach it (as "other"), and is not registered again.
     """
     if namespace is None:
-        namespace = _FrameNamespace(sys._getframe(1))
-    if budget is not None and not isinstance(budget, (int, str)):
+        namespace = FrameNamespace(sys._getframe(1))
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, str))):
         raise TypeError(f"budget must be a size like '4GiB' or a number of bytes, not {type(budget).__name__}")
-    return Measurement(device, namespace=namespace, budget=budget, previous=previous, record_sites=record_sites)
+    return Measurement(device, namespace=namespace, budget=budget, previous=previous, record_sites=record_sites,
+                       backend=backend)
 
 
-__all__ = ["Measurement", "measure", "format_bytes"]
+__all__ = ["BACKENDS", "Measurement", "format_bytes", "measure"]

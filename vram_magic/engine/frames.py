@@ -125,27 +125,41 @@ def resolve(raw: tuple[Any, ...]) -> tuple[tuple[str, int, str], ...]:
     return tuple((raw[i].co_filename, _line(raw[i], raw[i + 1]), raw[i].co_name) for i in range(0, len(raw), 2))
 
 
-def _shell_codes() -> set[CodeType]:
-    codes: set[CodeType] = set()
-    try:
-        from IPython.core.interactiveshell import InteractiveShell
+class SiteNamer:
+    """Resolves raw sites (``(code, lasti, …)``) to ``(file, line, function)`` frames, once per distinct site,
+    and names the files IPython compiles cells into (``/tmp/ipykernel_…/123.py``) as ``<cell N>``."""
 
-        codes.add(InteractiveShell.run_code.__code__)
-    except Exception:
-        pass
-    try:
-        from ..magics import VramMagics
+    def __init__(self, cell_files: Any = None) -> None:
+        self.cell_files = cell_files or {}
+        self.done: dict[int, tuple[tuple[str, int, str], ...]] = {}
 
-        codes.add(VramMagics._run_code.__code__)
-    except Exception:
-        pass
-    return codes
+    def __call__(self, raw: tuple[Any, ...]) -> tuple[tuple[str, int, str], ...]:
+        if not raw:
+            return ()
+        named = self.done.get(id(raw))
+        if named is None:
+            files = self.cell_files
+            named = tuple((f"<cell {files[f]}>" if f in files else f, line, name)
+                          for f, line, name in resolve_site(raw))
+            self.done[id(raw)] = named
+        return named
 
 
-_SHELL_CODES: set[int] = set()  # ids of functions' code objects: they live as long as the process
+# ids of the code objects of the shell's cell-running functions (functions live as long as the process): a
+# site's walk stops there, as nothing above them is the user's. The shell layer registers its own.
+_SHELL_CODES: set[int] = set()
+
+
+def register_shell_code(code: CodeType) -> None:
+    """Stop site walks at frames running ``code`` (a shell's function that runs the user's cell)."""
+    _SHELL_CODES.add(id(code))
 
 
 def refresh_shell_codes() -> None:
-    """Learn the shell's cell-running frames (called when a measurement starts in IPython)."""
-    if not _SHELL_CODES:
-        _SHELL_CODES.update(id(c) for c in _shell_codes())
+    """Learn IPython's cell-running frame (called when a measurement starts in IPython)."""
+    try:
+        from IPython.core.interactiveshell import InteractiveShell
+
+        register_shell_code(InteractiveShell.run_code.__code__)
+    except Exception:
+        pass

@@ -15,12 +15,13 @@ from typing import Any
 class Entry(weakref.ref):
     """The weakref to one storage, carrying what we know of it (one object per storage: cheap)."""
 
-    __slots__ = ("key", "serial", "size", "device")
+    __slots__ = ("key", "serial", "size", "device", "ptr")
 
     key: int
     serial: int
     size: int
     device: str
+    ptr: int  # the address, for storages registered by add() (0 for the tracker's own)
 
 
 def storage_size(storage: Any, device: str) -> int:
@@ -41,6 +42,7 @@ class LiveStorages:
 
     def __init__(self) -> None:
         self._entries: dict[int, Entry] = {}
+        self._by_ptr: dict[tuple[str, int], Entry] = {}  # storages registered by add(): who owns an address
         self._serials = itertools.count(1)
         # Called with the Entry of each freed storage (the active tracker listens while a cell runs).
         self.on_free: Callable[[Entry], None] | None = None
@@ -48,7 +50,11 @@ class LiveStorages:
 
         entries = self._entries
 
+        by_ptr = self._by_ptr
+
         def freed(entry: Entry) -> None:
+            if entry.ptr and by_ptr.get((entry.device, entry.ptr)) is entry:
+                del by_ptr[(entry.device, entry.ptr)]
             if entries.pop(entry.key, None) is not None:
                 listener = self.on_free
                 if listener is not None:
@@ -60,12 +66,29 @@ class LiveStorages:
         return len(self._entries)
 
     def add(self, storage: Any) -> Entry:
-        """Register ``storage`` (an ``UntypedStorage``) if new; return its entry."""
+        """Register ``storage`` (an ``UntypedStorage``) if new; return its entry.
+
+        Storages made outside PyTorch's allocator can share memory (two ``torch.from_numpy`` on one array,
+        ``from_dlpack``, ``frombuffer``): a storage whose memory starts where a live registered one's does
+        is registered with size 0, so the memory counts once."""
         entry = self._entries.get(id(storage))
         if entry is not None:
             return entry
         device = device_key(storage.device)
-        return self.add_new(storage, id(storage), storage_size(storage, device), device)
+        size = storage_size(storage, device)
+        try:
+            ptr = int(storage.data_ptr())
+        except Exception:  # a wrapper subclass's storage has no memory behind it
+            ptr, size = 0, 0
+        if ptr:
+            other = self._by_ptr.get((device, ptr))
+            if other is not None and other() is not None and other.key in self._entries:
+                size = 0
+        entry = self.add_new(storage, id(storage), size, device)
+        if ptr and size:
+            entry.ptr = ptr
+            self._by_ptr[(device, ptr)] = entry
+        return entry
 
     def add_new(self, storage: Any, key: int, size: int, device: str) -> Entry:
         """Register a storage known to be new (the tracker's hot path)."""
@@ -74,6 +97,7 @@ class LiveStorages:
         entry.serial = next(self._serials)
         entry.size = size
         entry.device = device
+        entry.ptr = 0
         self._entries[key] = entry
         return entry
 
@@ -91,3 +115,4 @@ class LiveStorages:
         """Forget everything (the weakrefs die with their entries, so no callback fires later)."""
         self.on_free = None
         self._entries.clear()
+        self._by_ptr.clear()

@@ -97,17 +97,27 @@ class Tracker(TorchDispatchMode):
             mod.register_module_forward_pre_hook(self._mod_pre),
             mod.register_module_forward_hook(self._mod_post, always_call=True),
         ]
-        return super().__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._remove_hooks()
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            super().__exit__(*exc)
+            leave_mode_stack(self)
         finally:
-            for h in self._hooks:
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for h in self._hooks:
+            try:
                 h.remove()
-            self._hooks = []
-            if self.registry.on_free == self._freed:
-                self.registry.on_free = None
+            except Exception:
+                pass
+        self._hooks = []
+        if self.registry.on_free == self._freed:
+            self.registry.on_free = None
 
     def _opt_pre(self, optimizer: Any, *_: Any) -> None:
         self._optimizer_depth += 1
@@ -350,3 +360,48 @@ class Tracker(TorchDispatchMode):
             for o in out:
                 if isinstance(o, torch.Tensor):
                     self._see(o, func)
+
+
+def leave_mode_stack(mode: TorchDispatchMode) -> None:
+    """Take ``mode`` off the dispatch-mode stack wherever it is, leaving the modes above it (the user's own,
+    entered inside the measured block and left on) in place and in order, with PyTorch's "a mode is active"
+    flags as if ``mode`` had never been there."""
+    from torch.utils import _python_dispatch as pd
+
+    stack = pd._get_current_dispatch_mode_stack()
+    if stack and stack[-1] is mode:
+        TorchDispatchMode.__exit__(mode, None, None, None)
+        return
+    above: list[TorchDispatchMode] = []
+    found = False
+    for m in stack:
+        if found:
+            above.append(m)
+        elif m is mode:
+            found = True
+    if found:
+        for _ in above:
+            pd._pop_mode()
+        pd._pop_mode()
+        for m in above:
+            pd._push_mode(m)
+    # the flags our __enter__ saved are the state before us; the modes above saved states that included us
+    names = ("old_dispatch_mode_flags", "old_non_infra_dispatch_mode_flags",
+             "old_without_ignore_compile_internals_dispatch_mode_flags")
+    saved = [getattr(mode, n, None) for n in names]
+    state = [q.pop() if q else False for q in saved if q is not None]
+    if len(state) != len(names):
+        return  # an older PyTorch without these flags: nothing more to restore
+    for m in above:
+        for n, value in zip(names, state):
+            q = getattr(m, n, None)
+            if q:
+                q[-1] = value
+        state = [True, state[1] or not m.is_infra_mode(), state[2] or not m.ignore_compile_internals()]
+    if hasattr(pd, "_is_in_any_mode_without_ignore_compile_internals"):
+        pd._is_in_torch_dispatch_mode = state[0]
+        pd._is_in_non_infra_torch_dispatch_mode = state[1]
+        pd._is_in_any_mode_without_ignore_compile_internals = state[2]
+        setter = getattr(pd, "set_is_in_mode_without_ignore_compile_internals", None)
+        if setter is not None:
+            setter(state[2])

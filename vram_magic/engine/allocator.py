@@ -1,0 +1,255 @@
+"""The allocator-level backend: PyTorch's profiler records every allocation and free the device's allocator
+makes (CPU allocator or CUDA caching allocator), off the dispatch path.
+
+It sees what the live-storage tracker cannot: compiled (inductor) kernels' buffers and kernel scratch, and it
+leaves ``torch.compile`` alone — no dispatch mode on the stack, no global module or optimizer hooks, so a
+compiled model runs the same graphs as unmeasured and a first call inside the cell compiles normally. It
+does not see which line or module made an allocation; the phase comes from the profiler's own scopes
+(autograd's backward functions, ``Optimizer.step#…``, ``Optimizer.zero_grad#…``) and from what freed it.
+
+The profiler is started with only the user-scope and backward-function record scopes, so ordinary ops record
+nothing; the cost is the memory events themselves, mostly paid when the recording is read at the end.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .tracker import BACKWARD, CELL, FORWARD, OPTIMIZER
+
+# Phases only this backend tells apart: memory freed by ``zero_grad`` was a gradient.
+ZERO_GRAD = -1
+
+
+def profiler_busy() -> bool:
+    """A profiler is recording in this process (the user's own, or an outer measured block)."""
+    try:
+        return bool(torch._C._autograd._profiler_enabled())
+    except Exception:
+        return True
+
+
+@contextmanager
+def _quiet_stderr() -> Any:
+    """The profiler's C++ side prints a line to file descriptor 2 on every start and stop (which a notebook
+    shows under the cell); silence it for the length of the call only."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 2)
+        finally:
+            os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@dataclass
+class MemoryEvent:
+    """One allocation (``size > 0``) or free (``size < 0``) of the measured device."""
+
+    time: int
+    addr: int
+    size: int
+    phase: int
+
+
+@dataclass
+class Recording:
+    """What the allocator did during the block, in order; ``complete`` is False when something (the user's
+    own profiler) stopped the recording before the end."""
+
+    events: list[MemoryEvent] = field(default_factory=list)
+    complete: bool = True
+    oom_requests: list[int] = field(default_factory=list)
+    scopes: set[str] = field(default_factory=set)
+
+
+class AllocatorRecorder:
+    """Start and stop the profiler's memory recording around a block."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self._on = False
+
+    def start(self) -> AllocatorRecorder:
+        from torch._C._autograd import _enable_profiler, _prepare_profiler
+        from torch._C._profiler import (
+            ProfilerActivity,
+            ProfilerConfig,
+            ProfilerState,
+            RecordScope,
+            _ExperimentalConfig,
+        )
+
+        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        activities = {ProfilerActivity.CPU}
+        with _quiet_stderr():
+            _prepare_profiler(config, activities)
+            _enable_profiler(config, activities, {RecordScope.USER_SCOPE, RecordScope.BACKWARD_FUNCTION})
+        self._on = True
+        return self
+
+    def stop(self) -> Recording:
+        """End the recording and read it. If the user's own profiler took over during the block (PyTorch runs
+        one at a time: starting theirs ended ours), theirs is left running and the recording is incomplete."""
+        if not self._on:
+            return Recording(complete=False)
+        self._on = False
+        import torch.autograd.profiler as autograd_profiler
+        from torch._C._autograd import _disable_profiler
+
+        if not profiler_busy() or getattr(autograd_profiler, "_is_profiler_enabled", False):
+            return Recording(complete=False)
+        with _quiet_stderr():
+            result = _disable_profiler()
+        return read_events(result.experimental_event_tree(), self.device)
+
+
+_SKIP_SCOPES = ("ProfilerStep#",)
+
+
+def _phase_of(name: str, scope: Any, backward_scope: Any) -> int | None:
+    if scope == backward_scope:
+        return BACKWARD
+    if name.startswith("Optimizer.step#"):
+        return OPTIMIZER
+    if name.startswith("Optimizer.zero_grad#"):
+        return ZERO_GRAD
+    return None
+
+
+def read_events(roots: Iterable[Any], device: str) -> Recording:
+    """The memory events of ``device`` in a profiler event tree, each with the phase of its innermost known
+    scope (``FORWARD`` outside any: forward or plain cell code, which this backend does not tell apart)."""
+    from torch._C._profiler import RecordScope, _EventType
+
+    allocation, torch_op = _EventType.Allocation, _EventType.TorchOp
+    backward_scope = RecordScope.BACKWARD_FUNCTION
+    want = torch.device(device)
+    want_cuda = want.type == "cuda"
+    want_index = want.index if want.index is not None else 0
+    rec = Recording()
+    stack: list[tuple[Any, int]] = [(node, FORWARD) for node in roots]
+    events = rec.events
+    while stack:
+        node, phase = stack.pop()
+        kind = node.typed[0]
+        if kind == allocation:
+            fields = node.typed[1]
+            dev = fields.device
+            if dev.type != want.type or (want_cuda and (dev.index or 0) != want_index):
+                continue
+            events.append(MemoryEvent(node.start_time_ns, int(fields.ptr), int(fields.alloc_size), phase))
+        elif kind == torch_op:
+            fields = node.typed[1]
+            name = node.name
+            rec.scopes.add(name)
+            inner = _phase_of(name, fields.scope, backward_scope)
+            if inner is not None and not (phase == BACKWARD and inner != BACKWARD):
+                phase = inner
+            stack.extend((child, phase) for child in node.children)
+        else:
+            stack.extend((child, phase) for child in node.children)
+    events.sort(key=lambda e: e.time)
+    return rec
+
+
+@dataclass
+class Replayed:
+    """A recording turned into the live-storage tracker's terms, so the rest of the engine reads both
+    backends alike: ``allocs`` (serial → (size, phase, site, module)), ``events`` (+serial / −serial),
+    ``initial`` and ``late`` (serial → size of what was alive at the start), the peak, ``roles`` (serial →
+    (category, label) learnt from what freed a block) and ``addr`` (serial → address of the blocks alive at
+    the end)."""
+
+    initial: dict[int, int]
+    allocs: dict[int, tuple[int, int, tuple[Any, ...], int]] = field(default_factory=dict)
+    late: dict[int, int] = field(default_factory=dict)
+    events: array = field(default_factory=lambda: array("q"))
+    peak: int = 0
+    peak_index: int = 0
+    current: int = 0
+    truncated: bool = False
+    roles: dict[int, tuple[str, str]] = field(default_factory=dict)
+    addr: dict[int, int] = field(default_factory=dict)
+    oom: dict[str, Any] | None = None
+    oom_holders: dict[int, str] = field(default_factory=dict)
+
+
+def replay(rec: Recording, initial: dict[int, tuple[int, int]], next_serial: Any,
+           max_events: int = 2_000_000) -> Replayed:
+    """``initial``: serial → (address, size) of the storages known to be alive at the start. A free of an
+    address that is neither theirs nor allocated in the block is a storage that was alive at the start
+    without being known (counted as such, like the tracker's late storages)."""
+    out = Replayed(initial={s: size for s, (_, size) in initial.items()})
+    at: dict[int, int] = {addr: s for s, (addr, _) in initial.items() if addr}
+    phase_of: dict[int, int] = {}
+    current = sum(out.initial.values())
+    late_total = 0
+    peak = current
+    peak_index = 0
+    events = out.events
+    allocs = out.allocs
+    sizes: dict[int, int] = dict(out.initial)
+    for ev in rec.events:
+        if ev.size > 0:
+            serial = next_serial()
+            old = at.get(ev.addr)
+            if old is not None and old in allocs:  # a block reused without its free seen: close it first
+                events.append(-old)
+                current -= sizes[old]
+            at[ev.addr] = serial
+            sizes[serial] = ev.size
+            phase = ev.phase if ev.phase != ZERO_GRAD else CELL
+            allocs[serial] = (ev.size, phase, (), 0)
+            phase_of[serial] = ev.phase
+            current += ev.size
+            if len(events) >= max_events:
+                out.truncated = True
+                continue
+            events.append(serial)
+        else:
+            serial = at.pop(ev.addr, None)
+            size = -ev.size
+            if serial is None:  # alive at the start, unknown to the scan
+                serial = next_serial()
+                out.late[serial] = size
+                sizes[serial] = size
+                late_total += size
+                current += size
+                peak += size
+            made = phase_of.get(serial)
+            if made is not None:
+                if ev.phase == ZERO_GRAD and made != OPTIMIZER:
+                    out.roles[serial] = ("gradients", "gradients (freed by zero_grad)")
+                elif ev.phase == BACKWARD and made not in (BACKWARD, OPTIMIZER):
+                    out.roles[serial] = ("activations", "saved for backward")
+            current -= sizes.get(serial, size)
+            if len(events) >= max_events:
+                out.truncated = True
+                continue
+            events.append(-serial)
+        if current > peak:
+            peak = current
+            peak_index = len(events)
+    out.current = current
+    out.peak = peak
+    out.peak_index = peak_index
+    out.addr = {serial: addr for addr, serial in at.items()}
+    if rec.oom_requests:
+        out.oom = {"requested": rec.oom_requests[-1]}
+    return out

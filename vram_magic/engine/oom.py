@@ -1,0 +1,49 @@
+"""After an out-of-memory error: free what the failed cell allocated, and say who held what."""
+
+from __future__ import annotations
+
+import os
+from types import TracebackType
+
+from .frames import is_user_code
+
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def release_traceback(tb: TracebackType) -> None:
+    """End the traceback at the user's last frame (as a real CUDA OOM does) and clear the locals of the
+    finished frames, which hold the memory that ran out. Our own frames keep theirs. Never raises: the
+    user's exception is what propagates, whatever its frames hold."""
+    try:
+        _release(tb)
+    except Exception:
+        pass
+
+
+def _release(tb: TracebackType) -> None:
+    last_user = None
+    t: TracebackType | None = tb
+    while t is not None:
+        if is_user_code(t.tb_frame.f_code):
+            last_user = t
+        t = t.tb_next
+    if last_user is not None and last_user.tb_next is not None:
+        rest: TracebackType | None = last_user.tb_next
+        last_user.tb_next = None
+        while rest is not None:
+            _clear(rest)
+            rest = rest.tb_next
+    t = tb
+    while t is not None:
+        if not t.tb_frame.f_code.co_filename.startswith(_OWN_DIR):
+            _clear(t)
+        t = t.tb_next
+
+
+def _clear(t: TracebackType) -> None:
+    try:
+        t.tb_frame.clear()
+        # A dict made earlier by reading `f_locals` outlives clear(); reading it again empties it.
+        t.tb_frame.f_locals  # noqa: B018
+    except RuntimeError:  # still executing
+        pass

@@ -1,0 +1,69 @@
+"""The storages behind a tensor, whatever kind of tensor it is.
+
+A plain tensor has one storage. A wrapper subclass (``DTensor``, torchao's quantized tensors, float8 and
+NF4 tensors) has none of its own: its memory is in the inner tensors ``__tensor_flatten__`` names (a DTensor's
+local shard, a quantized tensor's data, scales and zero points). Sparse tensors keep indices and values.
+Every read is guarded: a tensor subclass may raise on attribute access, and a scan must never fail the cell.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_MAX_DEPTH = 4
+
+
+def storage_parts(t: Any, depth: int = 0) -> list[tuple[Any, str]]:
+    """``[(untyped storage, kind), ...]``: the storages holding ``t``'s memory; ``kind`` names a subclass's
+    part (``"DTensor"``, ``"AffineQuantizedTensor"``) and is "" for a plain tensor."""
+    try:
+        cls = type(t)
+        if cls is not torch.Tensor and cls is not torch.nn.Parameter and depth < _MAX_DEPTH \
+                and getattr(cls, "__tensor_flatten__", None) is not None and _is_wrapper(t):
+            names, _ = t.__tensor_flatten__()
+            out: list[tuple[Any, str]] = []
+            for name in names:
+                inner = getattr(t, name, None)
+                if isinstance(inner, torch.Tensor):
+                    out.extend((s, kind or cls.__name__) for s, kind in storage_parts(inner, depth + 1))
+            return out
+        layout = t.layout
+        if layout == torch.strided:
+            return [(t.untyped_storage(), "")]
+        if layout == torch.sparse_coo:
+            return [p for part in (t._indices(), t._values()) for p in storage_parts(part, depth + 1)]
+        if layout in (torch.sparse_csr, torch.sparse_bsr):
+            parts = (t.crow_indices(), t.col_indices(), t.values())
+            return [p for part in parts for p in storage_parts(part, depth + 1)]
+        if layout in (torch.sparse_csc, torch.sparse_bsc):
+            parts = (t.ccol_indices(), t.row_indices(), t.values())
+            return [p for part in parts for p in storage_parts(part, depth + 1)]
+    except Exception:  # a subclass that raises on access, a storage-less tensor: nothing we can count
+        return []
+    return []
+
+
+def _is_wrapper(t: Any) -> bool:
+    """A wrapper subclass (``_make_wrapper_subclass``) has a storage object without memory behind it."""
+    try:
+        t.untyped_storage().data_ptr()
+        return False
+    except Exception:
+        return True
+
+
+def grad_fn(t: Any) -> Any:
+    try:
+        return t.grad_fn
+    except Exception:
+        return None
+
+
+def grad(t: Any) -> Any:
+    try:
+        g = t.grad
+    except Exception:
+        return None
+    return g if isinstance(g, torch.Tensor) else None
