@@ -21,7 +21,7 @@ def storage_parts(t: Any, depth: int = 0) -> list[tuple[Any, str]]:
     try:
         cls = type(t)
         if cls is not torch.Tensor and cls is not torch.nn.Parameter and depth < _MAX_DEPTH \
-                and getattr(cls, "__tensor_flatten__", None) is not None and _is_wrapper(t):
+                and getattr(cls, "__tensor_flatten__", None) is not None and is_wrapper(t):
             names, _ = t.__tensor_flatten__()
             out: list[tuple[Any, str]] = []
             for name in names:
@@ -45,7 +45,7 @@ def storage_parts(t: Any, depth: int = 0) -> list[tuple[Any, str]]:
     return []
 
 
-def _is_wrapper(t: Any) -> bool:
+def is_wrapper(t: Any) -> bool:
     """A wrapper subclass (``_make_wrapper_subclass``) has a storage object without memory behind it."""
     try:
         t.untyped_storage().data_ptr()

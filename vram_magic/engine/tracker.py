@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..units import format_bytes
 from .frames import user_site
 from .registry import Entry, LiveStorages, storage_size
+from .tensors import is_wrapper
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 _current_node = torch._C._current_autograd_node
@@ -25,6 +26,8 @@ _OpOverload = torch._ops.OpOverload
 _loaded = sys.modules
 _DYNAMO = "torch._dynamo"
 _grad_enabled = torch.is_grad_enabled
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 
 # Allocation phases, stored per allocation.
 CELL, FORWARD, BACKWARD, OPTIMIZER, INFERENCE = 0, 1, 2, 3, 4
@@ -272,6 +275,9 @@ class Tracker(TorchDispatchMode):
                 if entry.size != size:
                     self._resized(entry, size)
             return
+        cls = type(t)
+        if cls is not _Tensor and cls is not _Parameter and is_wrapper(t):
+            return  # a wrapper subclass (DTensor, quantized tensors): no memory of its own; its parts are counted
         if (not t.is_cpu) if self._cpu else (t.device != self._torch_device):
             self.registry.add(storage)  # another device: known for its own reports, not counted here
             return
