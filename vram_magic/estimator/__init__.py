@@ -27,6 +27,7 @@ def estimate(
     steps: int = 2,
     inference: bool = False,
     amp: Any = None,
+    master_weights: Any = None,
     checkpointing: bool = False,
     accumulate: int = 1,
     zero: int | None = None,
@@ -48,7 +49,11 @@ def estimate(
     dict of tensors, or a zero-argument callable returning them; dimension 0 is the batch.
     ``optimizer``: ``sgd``, ``sgd-momentum``, ``adam``, ``adamw``, ``adagrad``, ``rmsprop``, ``adafactor``,
     an optimizer class, or an optimizer object (its class and hyper-parameters are reused).
-    ``dtype``: weights and inputs in bf16/fp16/fp32; ``amp``: autocast to bf16/fp16.
+    ``dtype``: weights and inputs in bf16/fp16/fp32; ``amp``: autocast to bf16/fp16. ``master_weights="fp32"``
+    (with ``dtype="bf16"`` or ``"fp16"``): the optimizer keeps an fp32 copy of the weights and updates it (mixed
+    precision as DeepSpeed and Megatron train: 2 + 2 + 12 bytes per parameter with Adam).
+    ``loss_fn(output)``: the loss; by default the output's ``loss`` (a Hugging Face model given ``labels``), else
+    the sum of the output — the estimate's ``loss`` says which.
     ``accumulate=K`` splits the batch into K micro-batches. ``zero=1|2|3`` or ``fsdp=True`` with ``world=N``
     give per-rank memory; ``offload`` keeps optimizer state and its step on the host.
     ``device="cuda"`` models a GPU (default), ``"cpu"`` a CPU run. ``gpu`` (a name from :data:`GPUS`) or
@@ -56,7 +61,7 @@ def estimate(
     ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1
     of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial.
     """
-    opts = make_options(optimizer=optimizer, inference=inference, dtype=dtype, amp=amp,
+    opts = make_options(optimizer=optimizer, inference=inference, dtype=dtype, amp=amp, master_weights=master_weights,
                         checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp, world=world,
                         offload=offload, device=device, steps=steps)
     target = make_target(gpu, budget, cuda)

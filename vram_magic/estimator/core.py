@@ -89,6 +89,7 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
         if not trace.fused:
             for s in trace.host_scalars:  # Adam's `step` counters live on the host unless fused/capturable
                 sizes[s] = 0
+    state_bytes = sum(sizes[s] for s, (cat, _) in trace.owner.items() if cat == "optimizer_state" and s in sizes)
     sharding = sharding_for(opts.zero, opts.world, trace.unit_param_bytes, trace.param_bytes)
     if sharding is not None or opts.offload:
         for s, (cat, label) in trace.owner.items():
@@ -122,6 +123,9 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
             spikes[i] = spikes.get(i, 0) + n
         if trace.copies and not spike_label:
             spike_label = "kernel scratch (GEMM operand copies)"
+    states = model_states(trace, opts, sharding, state_bytes)
+    if opts.master_weights:
+        notes.append(_master_note(opts, sharding))
     buffers = sharding.buffers(not opts.inference) if sharding is not None else {}
     # FSDP/ZeRO gather and reduce during the forward and backward of a step; none is alive in the update
     window = (trace.marks.get("step_start", 0), trace.marks.get("backward_end", len(trace.events)),
@@ -187,8 +191,36 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
         notes=tuple(notes),
         wall_time=trace.wall,
         loss=trace.loss,
+        model_states=states,
         options=opts,
     )
+
+
+def model_states(trace: StepTrace, opts: Options, sharding: Any, state_bytes: int) -> int:
+    """Bytes of parameters, gradients and optimizer state one rank holds for the whole step (the ZeRO paper's
+    *model states*), whatever is alive at the peak."""
+    if opts.inference:
+        return trace.param_bytes
+    stage = sharding.stage if sharding is not None else 0
+    world = sharding.world if sharding is not None else 1
+    params = -(-trace.param_bytes // world) if stage >= 3 else trace.param_bytes
+    grads = -(-trace.grad_bytes // world) if stage >= 2 else trace.grad_bytes
+    state = 0 if opts.offload else (-(-state_bytes // world) if stage >= 1 else state_bytes)
+    return params + grads + state
+
+
+def _master_note(opts: Options, sharding: Any) -> str:
+    from .options import optimizer_name, short_dtype
+
+    half = short_dtype(opts.dtype)
+    text = (f"mixed precision with fp32 master weights: {half} weights and gradients in the model, an fp32 copy of "
+            f"the weights and the {optimizer_name(opts.optimizer)} state in the optimizer (with Adam 2 + 2 + 12 "
+            "bytes per parameter, the ZeRO paper's scheme); gradients are cast to fp32 for the update")
+    if sharding is not None:
+        what = {1: "the optimizer's fp32 copy and state", 2: "the optimizer's fp32 copy and state and the gradients",
+                3: "the optimizer's fp32 copy and state, the gradients and the weights"}[sharding.stage]
+        text += f"; ZeRO-{sharding.stage} shards {what} across {sharding.world} ranks"
+    return text
 
 
 def search_max(fits: Callable[[int], bool], start: int, limit: int = 1 << 20,

@@ -36,6 +36,7 @@ class Options:
     inference: bool = False
     dtype: torch.dtype | None = None
     amp: torch.dtype | None = None
+    master_weights: bool = False  # half-precision weights and gradients, an fp32 master copy in the optimizer
     checkpointing: bool = False
     accumulate: int = 1
     zero: int | None = None  # ZeRO stage 1, 2 or 3 (3 is what FSDP's full sharding does)
@@ -54,7 +55,7 @@ class Options:
         if not self.inference:
             parts.append(optimizer_name(self.optimizer))
         if self.dtype is not None:
-            parts.append(short_dtype(self.dtype))
+            parts.append(short_dtype(self.dtype) + (" + fp32 master weights" if self.master_weights else ""))
         if self.amp is not None:
             parts.append(f"AMP {short_dtype(self.amp)}")
         if self.checkpointing:
@@ -82,6 +83,7 @@ def make_options(
     inference: bool = False,
     dtype: Any = None,
     amp: Any = None,
+    master_weights: Any = None,
     checkpointing: bool = False,
     accumulate: int = 1,
     zero: Any = None,
@@ -107,6 +109,13 @@ def make_options(
     am = parse_dtype(amp, "amp")
     if am is torch.float32:
         raise ValueError("amp must be bf16 or fp16 (the lower precision autocast runs in)")
+    master = parse_master_weights(master_weights)
+    if master and dt not in (torch.bfloat16, torch.float16):
+        raise ValueError("master_weights='fp32' keeps an fp32 copy of half-precision weights: give dtype='bf16' or "
+                         "dtype='fp16' with it")
+    if master and inference:
+        raise ValueError("master_weights applies to training (the optimizer holds the fp32 copy); drop it with "
+                         "inference=True")
     for name, value in (("accumulate", accumulate), ("world", world), ("steps", steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a whole number ≥ 1, not {value!r}")
@@ -126,7 +135,18 @@ def make_options(
     if inference and (accumulate > 1 or zero is not None or offload):
         raise ValueError("accumulate, zero/fsdp and offload apply to training; drop them with inference=True")
     return Options(
-        optimizer=optimizer, inference=bool(inference), dtype=dt, amp=am, checkpointing=bool(checkpointing),
+        optimizer=optimizer, inference=bool(inference), dtype=dt, amp=am, master_weights=master,
+        checkpointing=bool(checkpointing),
         accumulate=accumulate, zero=zero, world=world, offload=bool(offload),
         device="cuda" if str(device).startswith("cuda") else "cpu", steps=steps,
     )
+
+
+def parse_master_weights(value: Any) -> bool:
+    """``None``/``False`` (weights are trained in their own dtype) or ``"fp32"`` (an fp32 master copy)."""
+    if value is None or value is False:
+        return False
+    if value is True or (isinstance(value, str) and value.lower() in ("fp32", "float32")) or value is torch.float32:
+        return True
+    raise ValueError(f"master_weights must be 'fp32' (an fp32 master copy of bf16/fp16 weights) or None, not "
+                     f"{value!r}")

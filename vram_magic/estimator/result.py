@@ -61,6 +61,7 @@ class Estimate:
     notes: tuple[str, ...] = ()
     wall_time: float = 0.0
     loss: str = ""  # which loss the training step used (the model's own, the given loss_fn, or a stand-in)
+    model_states: int = 0  # parameters + gradients + optimizer state per rank over the step (ZeRO's model states)
     strategies: tuple[Strategy, ...] = ()
     max_batch: int | None = None
     max_seq: int | None = None
@@ -123,6 +124,17 @@ class Estimate:
         from .render import estimate_html
 
         return {"text/plain": str(self), "text/html": estimate_html(self)}
+
+    def summary_lines(self) -> list[str]:
+        """What the step trained on and what it keeps for the whole step: the loss, the model states."""
+        lines = []
+        if self.loss:
+            lines.append(f"loss: {self.loss}")
+        if self.model_states and self.options is not None and not self.options.inference:
+            per_rank = " per rank" if self.options.zero else ""
+            lines.append(f"model states{per_rank} (parameters + gradients + optimizer state): "
+                         f"{format_bytes(self.model_states)}")
+        return lines
 
     def verdict(self) -> str:
         where = self.gpu or (format_bytes(self.capacity) if self.capacity else None)

@@ -206,9 +206,12 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     if not opts.inference and not trainable:
         raise EstimateError("the model has no parameters that require gradients; use inference=True")
     optimizer = None
+    masters: list[nn.Parameter] = []
     if not opts.inference:
         with mode:
-            optimizer = make_optimizer(opts.optimizer, trainable, opts.device)
+            if opts.master_weights:  # the optimizer updates an fp32 copy; the model keeps bf16/fp16 weights
+                masters = [nn.Parameter(torch.empty(p.shape, dtype=torch.float32)) for p in trainable]
+            optimizer = make_optimizer(opts.optimizer, masters or trainable, opts.device)
     registry = LiveStorages()
     owner: dict[int, tuple[str, str]] = {}
 
@@ -225,6 +228,9 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
         claim(b, ("other", "buffers"))
     for t in _tensors(inputs):
         claim(t, ("other", "inputs"))
+    for m in masters:
+        claim(m, ("optimizer_state", "fp32 master weights"))
+    updater = _MasterStep(optimizer, trainable, masters) if masters else optimizer
     names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
     tracer = StepTracer(registry, names)
     tracer.input_keys = {id(t.untyped_storage()) for t in _tensors(inputs) if t.layout == torch.strided}
@@ -258,7 +264,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                     del out
                     continue
                 if step == 0 and opts.steps > 1 and not lazy:
-                    _first_step(optimizer, trainable, tracer, claim, host_scalars)
+                    _first_step(updater, trainable, tracer, claim, host_scalars)
                     continue
                 for micro in range(n_micro):
                     out = loss = None  # the previous micro-batch's output lives until this one replaces it
@@ -277,18 +283,19 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                     for p in trainable:
                         claim(p.grad, ("gradients", "gradients"))
                 assert optimizer is not None
-                for p in trainable:  # state stood in for a parameter this step leaves without a gradient
-                    if p.grad is None and p in optimizer.state:
-                        del optimizer.state[p]
+                for i, p in enumerate(trainable):  # state stood in for a parameter this step leaves without a gradient
+                    key = masters[i] if masters else p
+                    if p.grad is None and key in optimizer.state:
+                        del optimizer.state[key]
                 if last:
                     marks["backward_end"] = len(tracer.events)
                 tracer.stage = OPTIMIZER
-                optimizer.step()
+                updater.step()
                 _claim_state(optimizer, claim, host_scalars)
                 if last:
                     marks["step_end"] = len(tracer.events)
                 tracer.stage = ZERO_GRAD
-                optimizer.zero_grad(set_to_none=True)
+                updater.zero_grad(set_to_none=True)
                 del out, loss  # as a loop that ends each step with `del out, loss` (or returns) does
             tracer.stage = SETUP
     except FAKE_PROBLEMS as err:
@@ -437,6 +444,31 @@ def _claim_state(optimizer: torch.optim.Optimizer, claim: Callable[..., int | No
                 s = claim(v, ("optimizer_state", "step counters" if scalar else str(key)))
                 if scalar and s is not None:
                     host_scalars.add(s)
+
+
+class _MasterStep:
+    """Mixed precision with fp32 master weights (the ZeRO paper's scheme, DeepSpeed's and Megatron's): the
+    half-precision gradients are cast to fp32 for the update, the optimizer updates the fp32 master copy, and
+    the result is copied back into the model's half-precision weights."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+                 masters: list[nn.Parameter]) -> None:
+        self.optimizer, self.params, self.masters = optimizer, params, masters
+        self.state = optimizer.state
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.grad.to(torch.float32) if p.grad is not None else None
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                m.grad = None
+                p.copy_(m)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for p in self.params:
+            p.grad = None
 
 
 def _first_step(optimizer: Any, trainable: list[nn.Parameter], tracer: StepTracer,
