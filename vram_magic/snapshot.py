@@ -64,6 +64,12 @@ def to_snapshot(report: CellReport) -> dict[str, Any]:
         segments.append({"device": index, "address": a, "total_size": n, "allocated_size": n, "active_size": n,
                          "requested_size": n, "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
                          "is_expandable": False, "frames": [], "blocks": [block]})
+    if any("category" in e for e in events):
+        # PyTorch's viewer (MemoryViz.js) colours by category and adds 'unknown' (for blocks that have none, such
+        # as those alive before the trace) only through a misspelt name that throws: a snapshot whose trace
+        # names categories must name 'unknown' too, as PyTorch's own do. A 'snapshot' entry (the moment the
+        # snapshot was taken, which PyTorch records too) carries it without touching memory.
+        events.append({"action": "snapshot", "addr": 0, "size": 0, "stream": 0, "frames": [], "category": "unknown"})
     device_traces: list[list[dict[str, Any]]] = [[] for _ in range(index + 1)]
     device_traces[index] = events
     return {"segments": segments, "device_traces": device_traces, "allocator_settings": {},
