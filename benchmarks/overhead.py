@@ -9,10 +9,12 @@ stretch of the machine hits both sides of a pair. Wall time and this process's C
 the fixed work at the start and end of a block (scans, trace, report).
 
 1. A CPU training step of a 6 x Linear(1024, 1024) MLP, batch 128: unmeasured, under an empty Python
-   dispatch mode, inside ``vram_magic.measure()`` with and without allocation sites. Target: measured <= x1.10.
+   dispatch mode, inside ``vram_magic.measure()`` (default backend, with and without allocation sites) and with
+   the allocator backend. Targets: measured <= x1.10; the tracker over the empty dispatch mode <= x1.03.
 2. An empty ``%%vram`` cell with 300 modules in the namespace, against the same cell without the magic.
    Target: at most 5 ms more.
-3. A loop of small ops in one measured block (no target: the worst case for per-op tracking).
+3. A loop of small ops in one measured block: 500 AdamW steps of a tiny MLP. Target: <= x1.5.
+4. An optimizer-step cell: ``opt.step()`` alone, AdamW over 60 parameter tensors. Target: <= x1.5.
 """
 
 from __future__ import annotations
@@ -104,9 +106,13 @@ def mlp_step_ratios(rounds: int = 80) -> dict[str, float]:
         with vram_magic.measure(namespace=ns, record_sites=False):
             step()
 
+    def measured_allocator() -> None:
+        with vram_magic.measure(namespace=ns, backend="allocator"):
+            step()
+
     variants = {"plain": plain, "empty dispatch mode": empty_mode,
                 "empty dispatch mode, no dynamo wrapper": empty_mode_bare, "measure()": measured,
-                "measure(record_sites=False)": measured_no_sites}
+                "measure(record_sites=False)": measured_no_sites, "measure(backend='allocator')": measured_allocator}
     wall, cpu = _rounds(variants, rounds)
     ratio = operator.truediv
     out = {"plain step, wall median (ms)": statistics.median(wall["plain"]) * 1000,
@@ -117,6 +123,8 @@ def mlp_step_ratios(rounds: int = 80) -> dict[str, float]:
             out[f"{name}: CPU-time ratio"] = _paired(cpu[name], cpu["plain"], ratio)
     out["measure() / empty dispatch mode: wall ratio"] = _paired(wall["measure()"], wall["empty dispatch mode"],
                                                                  ratio)
+    out["measure() / empty mode without dynamo wrapper (the tracker's own cost)"] = _paired(
+        wall["measure()"], wall["empty dispatch mode, no dynamo wrapper"], ratio)
     inside = inside[-rounds:]  # not the warm-up runs
     out["measure(), the step inside the block: wall ratio"] = _paired(inside, wall["plain"], ratio)
     out["measure(), its start and end (ms)"] = _paired(wall["measure()"], inside, operator.sub) * 1000
@@ -167,11 +175,52 @@ def small_op_loop(steps: int = 500, rounds: int = 3) -> dict[str, float]:
         with vram_magic.measure(namespace=ns, record_sites=False):
             loop()
 
-    wall, _ = _rounds({"plain": loop, "measure()": measured, "measure(record_sites=False)": measured_no_sites},
-                      rounds)
+    def measured_allocator() -> None:
+        with vram_magic.measure(namespace=ns, backend="allocator"):
+            loop()
+
+    def empty_mode() -> None:
+        with EmptyModeNoDynamoWrapper():
+            loop()
+
+    variants = {"plain": loop, "empty dispatch mode, no dynamo wrapper": empty_mode, "measure()": measured,
+                "measure(record_sites=False)": measured_no_sites, "measure(backend='allocator')": measured_allocator}
+    wall, _ = _rounds(variants, rounds)
     out = {"plain loop, wall median (s)": statistics.median(wall["plain"])}
-    for name in ("measure()", "measure(record_sites=False)"):
-        out[f"{name}: wall ratio"] = _paired(wall[name], wall["plain"], operator.truediv)
+    for name in variants:
+        if name != "plain":
+            out[f"{name}: wall ratio"] = _paired(wall[name], wall["plain"], operator.truediv)
+    return out
+
+
+def optimizer_step_cell(rounds: int = 40) -> dict[str, float]:
+    """``opt.step()`` alone: AdamW (PyTorch's CPU default, one parameter at a time) over 30 Linear(256, 256),
+    60 parameter tensors — many small per-parameter ops."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(30)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(32, 256)).sum().backward()
+    opt.step()
+    ns = {"model": model, "opt": opt}
+
+    def step() -> None:
+        opt.step()
+
+    def empty_mode() -> None:
+        with EmptyModeNoDynamoWrapper():
+            step()
+
+    def measured(backend: str = "auto") -> None:
+        with vram_magic.measure(namespace=ns, backend=backend):
+            step()
+
+    variants = {"plain": step, "empty dispatch mode, no dynamo wrapper": empty_mode, "measure()": measured,
+                "measure(backend='allocator')": lambda: measured("allocator")}
+    wall, _ = _rounds(variants, rounds)
+    out = {"plain step, wall median (ms)": statistics.median(wall["plain"]) * 1000}
+    for name in variants:
+        if name != "plain":
+            out[f"{name}: wall ratio"] = _paired(wall[name], wall["plain"], operator.truediv)
     return out
 
 
@@ -189,6 +238,9 @@ def main() -> None:
     print("3. 500 AdamW steps of a 256-wide MLP in one block (small ops): median of 3 paired ratios")
     for k, v in small_op_loop().items():
         print(f"   {k:<52} {v:8.2f}")
+    print("4. opt.step() alone, AdamW over 60 parameter tensors: median of paired ratios")
+    for k, v in optimizer_step_cell(max(rounds // 2, 10)).items():
+        print(f"   {k:<52} {v:8.3f}")
 
 
 if __name__ == "__main__":

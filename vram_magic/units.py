@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -24,17 +25,23 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 _BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
+#: sizes beyond this are not memory any device has (1 EiB): rejected as typos rather than accepted as "no limit"
+MAX_SIZE = 2**60
+
+
 def parse_size(text: str | int) -> int:
     """Return the number of bytes in ``text`` (``"48MiB"``, ``"4 GiB"``, ``"1.5GB"``, ``"4096"``).
 
     ``KiB/MiB/GiB/TiB`` (and the bare letters ``K/M/G/T``) are powers of 1024; ``KB/MB/GB/TB`` are powers
-    of 1000, as printed on GPU boxes.
+    of 1000, as printed on GPU boxes. A size must be at least one byte and at most 1 EiB.
     """
     if isinstance(text, bool):
         raise TypeError("a size must be a string like '4GiB' or a number of bytes, not a bool")
     if isinstance(text, int):
-        if text < 0:
-            raise ValueError(f"a size cannot be negative: {text}")
+        if text < 1:
+            raise ValueError(f"a size must be at least 1 byte, not {text}")
+        if text > MAX_SIZE:
+            raise ValueError(f"{text} bytes is more than any device has (at most 1 EiB); check the number")
         return text
     if not isinstance(text, str):
         raise TypeError(f"a size must be a string like '4GiB' or a number of bytes, not {type(text).__name__}")
@@ -45,10 +52,16 @@ def parse_size(text: str | int) -> int:
             f"cannot read {text!r} as a size; write a number with a unit, e.g. '512MiB', '4GiB', '1.5GB' "
             "(KiB/MiB/GiB are powers of 1024, KB/MB/GB powers of 1000)"
         )
-    value = float(match.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise ValueError(f"a size must be positive: {text!r}")
-    return int(round(value))
+    try:
+        value = float(match.group(1)) * _UNITS[unit]
+    except OverflowError:
+        value = float("inf")
+    if not math.isfinite(value) or value > MAX_SIZE:
+        raise ValueError(f"{text!r} is more than any device has (at most 1 EiB); check the number")
+    n = int(round(value))
+    if n < 1:
+        raise ValueError(f"{text!r} is less than one byte; write a size such as '512MiB' or '4GiB'")
+    return n
 
 
 def format_bytes(n: int | float, *, signed: bool = False) -> str:

@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -57,8 +57,7 @@ def _quiet_stderr() -> Any:
         os.close(saved)
 
 
-@dataclass
-class MemoryEvent:
+class MemoryEvent(NamedTuple):
     """One allocation (``size > 0``) or free (``size < 0``) of the measured device."""
 
     time: int
@@ -140,31 +139,35 @@ def read_events(roots: Iterable[Any], device: str) -> Recording:
     allocation, torch_op = _EventType.Allocation, _EventType.TorchOp
     backward_scope = RecordScope.BACKWARD_FUNCTION
     want = torch.device(device)
-    want_cuda = want.type == "cuda"
-    want_index = want.index if want.index is not None else 0
+    want_type = want.type
+    want_index = (want.index if want.index is not None else 0) if want_type == "cuda" else None
     rec = Recording()
-    stack: list[tuple[Any, int]] = [(node, FORWARD) for node in roots]
     events = rec.events
+    append = events.append
+    scopes = rec.scopes
+    # (node, phase) pairs; most nodes are allocations directly under the root or a scope, read as cheaply as
+    # pybind allows (one attribute read is ~0.2 µs)
+    stack: list[tuple[Any, int]] = [(node, FORWARD) for node in roots]
+    pop = stack.pop
     while stack:
-        node, phase = stack.pop()
-        kind = node.typed[0]
-        if kind == allocation:
-            fields = node.typed[1]
+        node, phase = pop()
+        tag = node.tag
+        if tag == allocation:
+            fields = node.extra_fields
             dev = fields.device
-            if dev.type != want.type or (want_cuda and (dev.index or 0) != want_index):
+            if dev.type != want_type or (want_index is not None and (dev.index or 0) != want_index):
                 continue
-            events.append(MemoryEvent(node.start_time_ns, int(fields.ptr), int(fields.alloc_size), phase))
-        elif kind == torch_op:
-            fields = node.typed[1]
+            append(MemoryEvent(node.start_time_ns, fields.ptr, fields.alloc_size, phase))
+        elif tag == torch_op:
             name = node.name
-            rec.scopes.add(name)
-            inner = _phase_of(name, fields.scope, backward_scope)
+            scopes.add(name)
+            inner = _phase_of(name, node.extra_fields.scope, backward_scope)
             if inner is not None and not (phase == BACKWARD and inner != BACKWARD):
                 phase = inner
-            stack.extend((child, phase) for child in node.children)
+            stack.extend([(child, phase) for child in node.children])
         else:
-            stack.extend((child, phase) for child in node.children)
-    events.sort(key=lambda e: e.time)
+            stack.extend([(child, phase) for child in node.children])
+    events.sort()
     return rec
 
 

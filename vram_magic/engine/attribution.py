@@ -222,17 +222,15 @@ class _Walker:
         grads: list[tuple[Any, str]] = []
         self._claim_all(params, "parameters", grads=grads)
         self._claim_all(grads, "gradients")
+        state_tensors: list[tuple[Any, str]] = []
         for name, opt in self.optimizers:
             try:
-                states = list(opt.state.values())
+                for state in opt.state.values():
+                    if isinstance(state, Mapping):
+                        state_tensors.extend((v, name) for v in state.values() if isinstance(v, torch.Tensor))
             except Exception as err:
                 self._unread(f"{name}.state", err)
-                continue
-            for state in states:
-                if isinstance(state, Mapping):
-                    for v in list(state.values()):
-                        if isinstance(v, torch.Tensor):
-                            self.claim(v, "optimizer_state", name, name)
+        self._claim_all(state_tensors, "optimizer_state")
         self._claim_all(buffers, "other", "buffers of ")
         graphs: list[tuple[str, Any]] = []
         for name, t in self.tensors:

@@ -28,6 +28,10 @@ _DYNAMO = "torch._dynamo"
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
+# `torch.tensor(...)` builds its data outside dispatch and hands it over through lift_fresh, which returns an
+# alias: its storage is new memory, made now.
+_FRESH = frozenset(op for op in (getattr(torch.ops.aten, "lift_fresh", None),) if op is not None) | frozenset(
+    op.default for op in (getattr(torch.ops.aten, "lift_fresh", None),) if op is not None)
 
 # Allocation phases, stored per allocation.
 CELL, FORWARD, BACKWARD, OPTIMIZER, INFERENCE = 0, 1, 2, 3, 4
@@ -75,6 +79,8 @@ class Tracker(TorchDispatchMode):
         self._optimizer_depth = 0
         self._modules: list[int] = []  # ids of the modules whose forward is running, innermost last
         self._aliasing: dict[Any, bool] = {}
+        self._skipping: dict[Any, bool] = {}
+        self._site: tuple[Any, ...] | None = None  # the site of every allocation while it is set
         self._resizing: dict[Any, bool] = {}
         self._hooks: list[Any] = []
         self._lookup = registry.get
@@ -124,6 +130,9 @@ class Tracker(TorchDispatchMode):
 
     def _opt_pre(self, optimizer: Any, *_: Any) -> None:
         self._optimizer_depth += 1
+        if self.record_sites and self._optimizer_depth == 1 and not _user_step(optimizer):
+            # PyTorch's own step: every allocation it makes has the site of the line that called it
+            self._site = user_site(sys._getframe(1))
         # The gradients the step reads: remembered as gradients even if zero_grad frees them in this cell.
         for group in optimizer.param_groups:
             for p in group.get("params", ()):
@@ -132,6 +141,8 @@ class Tracker(TorchDispatchMode):
 
     def _opt_post(self, optimizer: Any, *_: Any) -> None:
         self._optimizer_depth = max(self._optimizer_depth - 1, 0)
+        if not self._optimizer_depth:
+            self._site = None
         for state in optimizer.state.values():
             if isinstance(state, dict):
                 for v in state.values():
@@ -309,8 +320,10 @@ class Tracker(TorchDispatchMode):
             phase = FORWARD if _grad_enabled() else INFERENCE
         else:
             phase = CELL
-        self.allocs[serial] = (size, phase, user_site(sys._getframe(2)) if self.record_sites else (),
-                               modules[-1] if modules else 0)
+        site = self._site
+        if site is None:
+            site = user_site(sys._getframe(2)) if self.record_sites else ()
+        self.allocs[serial] = (size, phase, site, modules[-1] if modules else 0)
         self.phase_bytes[phase] += size
         self.last_phase = phase
         if self.current > self.peak:
@@ -326,11 +339,22 @@ class Tracker(TorchDispatchMode):
             self._resizing[func] = hit
         return hit
 
+    def _skips(self, func: Any) -> bool:
+        """Ops whose every output aliases an input and cannot grow its storage (in-place ops, views)."""
+        try:
+            returns = func._schema.returns
+            hit = bool(returns) and all(r.alias_info is not None for r in returns) and not self._resizes(func) \
+                and func not in _FRESH
+        except AttributeError:
+            hit = False
+        self._skipping[func] = hit
+        return hit
+
     def _aliases(self, func: Any) -> bool:
         hit = self._aliasing.get(func)
         if hit is None:
             try:
-                hit = any(r.alias_info is not None for r in func._schema.returns)
+                hit = any(r.alias_info is not None for r in func._schema.returns) and func not in _FRESH
             except AttributeError:
                 hit = False
             self._aliasing[func] = hit
@@ -350,6 +374,12 @@ class Tracker(TorchDispatchMode):
         # torch.compile tracing: stay out of its graph
         if _DYNAMO in _loaded and _is_compiling():  # no tracing without dynamo imported
             return out
+        # In-place ops and views return an input's storage (known, or alive before the block): nothing new.
+        skip = self._skipping.get(func)
+        if skip is None:
+            skip = self._skips(func)
+        if skip:
+            return out
         # _see_outputs, inlined: this runs once per op
         if isinstance(out, torch.Tensor):
             self._see(out, func)
@@ -366,6 +396,23 @@ class Tracker(TorchDispatchMode):
             for o in out:
                 if isinstance(o, torch.Tensor):
                     self._see(o, func)
+
+
+_user_steps: dict[type, bool] = {}
+
+
+def _user_step(optimizer: Any) -> bool:
+    """The optimizer's ``step`` is code of the user's (a class written in the notebook), whose own lines are
+    worth naming."""
+    cls = type(optimizer)
+    hit = _user_steps.get(cls)
+    if hit is None:
+        from .frames import is_user_code
+
+        step = getattr(cls, "step", None)
+        code = getattr(getattr(step, "__wrapped__", step), "__code__", None)
+        hit = _user_steps[cls] = code is not None and is_user_code(code)
+    return hit
 
 
 def leave_mode_stack(mode: TorchDispatchMode) -> None:
