@@ -37,3 +37,15 @@ def run_ok(sh, source: str):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cuda`` tests skip without a CUDA GPU. Tests guarded by ``skipif(... reason="needs a CUDA
+    GPU")`` count as cuda tests too, so ``pytest -m cuda`` (benchmarks/gpu_check.py) runs every GPU test."""
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    available = torch.cuda.is_available()
+    for item in items:
+        if any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
+        if not available and item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

@@ -110,8 +110,10 @@ class Session:
         from .engine import cuda
         from .engine.namespace import snapshot
 
-        dev = cuda.resolve_device(device)
+        dev = cuda.resolve_device(device)  # never initialises CUDA: looking must not create a context
         breakdown, stats, notes = snapshot(dev, self.namespace, self.registry)
+        if dev.startswith("cuda") and stats is None:
+            notes = (*notes, cuda.not_initialised_note(dev))
         return MemoryNow(dev, breakdown, stats, self.budget or cuda.capacity(dev), notes)
 
     def report(self, cell: int | str) -> CellReport:

@@ -84,31 +84,30 @@ def save_snapshot(report: CellReport, path: str) -> str:
 
 def replay(snapshot: Mapping[str, Any], device: int = 0, since: int = 0) -> tuple[int, int, int]:
     """``(start, peak, peak_entry)``: bytes live before the trace, the highest, and the number of trace
-    entries applied at the peak. ``since`` skips the first entries (a CUDA cell's own part of a longer
-    history). Works for PyTorch's own snapshots and for ours."""
+    entries applied at the peak. ``since`` skips the first entries. Works for PyTorch's own snapshots and for ours.
+
+    One unit throughout, the one the trace is written in: ``alloc`` and ``free_*`` entries carry the *requested*
+    size (``c10/cuda/CUDACachingAllocator.cpp``), so the blocks alive at the end count their ``requested_size``
+    (ours equal their ``size``). A block is gone at ``free_requested`` where the trace has those (PyTorch's: a
+    block still in use on another stream reaches ``free_completed`` later and is ``active_pending_free`` in the
+    segments meanwhile), else at ``free_completed`` (ours). ``oom``, ``segment_*`` and ``snapshot`` entries change
+    nothing. (A CUDA cell's peak in the allocator's block sizes is ``engine.cuda_history``'s job.)"""
     end = 0
     for seg in snapshot.get("segments", ()):
         if seg.get("device", 0) != device:
             continue
         for block in seg.get("blocks", ()):
             if block.get("state") == "active_allocated":
-                end += block["size"]
+                end += int(block.get("requested_size", block["size"]))
     traces = snapshot.get("device_traces", ())
     entries = traces[device][since:] if device < len(traces) else []
-    delta = 0
-    for e in entries:
-        if e["action"] == "alloc":
-            delta += e["size"]
-        elif e["action"] == "free_completed":
-            delta -= e["size"]
-    start = end - delta
+    frees = "free_requested" if any(e["action"] == "free_requested" for e in entries) else "free_completed"
+    deltas = [e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == frees else 0 for e in entries]
+    start = end - sum(deltas)
     current = peak = start
     peak_entry = 0
-    for i, e in enumerate(entries, 1):
-        if e["action"] == "alloc":
-            current += e["size"]
-            if current > peak:
-                peak, peak_entry = current, i
-        elif e["action"] == "free_completed":
-            current -= e["size"]
+    for i, d in enumerate(deltas, 1):
+        current += d
+        if current > peak:
+            peak, peak_entry = current, i
     return start, peak, peak_entry

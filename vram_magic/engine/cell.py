@@ -197,14 +197,10 @@ class Measurement:
             owner[entry.serial] = cat
         self._before_rows, self._before_owner = rows, owner
         self.backend, self.backend_reason = self._choose_backend()
-        self._history = None
-        self._fraction = None
+        self._cuda: cuda.CudaCell | None = None
         try:
-            if self.device.startswith("cuda"):
-                if self.record_sites:
-                    self._history = cuda.History(self.device).start()
-                if self.budget is not None:  # the allocator itself stops at the budget, as a smaller GPU would
-                    self._fraction = cuda.Fraction(self.device, self.budget).__enter__()
+            if self.device.startswith("cuda"):  # counters, history and --budget of the allocator (engine/cuda.py)
+                self._cuda = cuda.CudaCell(self.device, budget=self.budget).start()
             if self.backend == "allocator":
                 self._initial_addrs = self._addresses(initial)
                 self._recorder = AllocatorRecorder(self.device)
@@ -236,11 +232,9 @@ class Measurement:
         return out
 
     def _undo_cuda(self) -> None:
-        try:
-            if self._fraction is not None:
-                self._fraction.__exit__()
-        finally:
-            self._fraction = None
+        """Put back the allocator's history and fraction and read its figures (never raises; idempotent)."""
+        if self._cuda is not None:
+            self._cuda.stop()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -252,9 +246,6 @@ class Measurement:
         recorder = self._recorder
         self._tracker = self._recorder = None
         replayed: Replayed | None = None
-        history = self._history
-        self._history = None
-        snap = None
         try:
             if tracker is not None:
                 tracker.__exit__(exc_type, exc, tb)
@@ -267,13 +258,9 @@ class Measurement:
                 replayed = replay(recording, self._initial_addrs, self.registry.next_serial)
         finally:
             wall = time.perf_counter() - self._t0
-            try:
-                self._undo_cuda()
-            finally:
-                if history is not None:
-                    snap = history.stop()
+            self._undo_cuda()
         try:
-            self._build(tracker, replayed, history, snap, notes, wall, exc_type, exc, tb)
+            self._build(tracker, replayed, notes, wall, exc_type, exc, tb)
         except Exception as err:
             import warnings
 
@@ -282,10 +269,8 @@ class Measurement:
             warnings.warn(f"vram_magic could not build the report of this block: {type(err).__name__}: {err}",
                           RuntimeWarning, stacklevel=2)
 
-    def _build(self, tracker: Tracker | None, replayed: Replayed | None, history: Any, snap: Any,
-               notes: list[str], wall: float, exc_type: type[BaseException] | None, exc: BaseException | None,
-               tb: TracebackType | None) -> None:
-        self._history_peak = history.cell_peak(snap) if history is not None and snap is not None else None
+    def _build(self, tracker: Tracker | None, replayed: Replayed | None, notes: list[str], wall: float,
+               exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         source = tracker if tracker is not None else replayed
         assert source is not None
         oom_index = len(source.events)
@@ -324,9 +309,9 @@ class Measurement:
         for size in source.late.values():
             before_rows[UNATTRIBUTED] = before_rows.get(UNATTRIBUTED, 0) + size
         before = Breakdown.from_rows(before_rows)
-        after, peak = self._reconcile(after, peak, stats_after, notes)
+        before, after, peak = self._reconcile(before, after, peak, stats_after, notes)
         base = self.previous.after if self.previous is not None else before
-        oom = self._oom_info(source, trace, oom_index, exc) if is_oom else None
+        oom = self._oom_info(source, trace, oom_index, exc, notes) if is_oom else None
         from ..advice import advise
 
         report = CellReport(
@@ -453,29 +438,34 @@ class Measurement:
         return Trace(self.device, blocks, tuple(initial), source.events, source.peak_index, source.truncated,
                      base=tuple((c, lab, n) for (c, lab), n in base.items()))
 
-    def _reconcile(self, after: Breakdown, peak: Breakdown, stats: DeviceStats | None,
-                   notes: list[str]) -> tuple[Breakdown, Breakdown]:
-        """On CUDA, add what the allocator holds beyond the tracked storages (workspaces, scratch)."""
-        if stats is None:
-            return after, peak
-        extra = stats.allocated - after.total
-        if extra > 0:
-            after = add_other(after, "allocator: workspaces and untracked", extra)
-        alloc_peak = self._history_peak
-        if alloc_peak is None:
-            alloc_peak = cuda.peak_if_risen(self._stats_before, stats)
-        if alloc_peak is not None and alloc_peak > peak.total:
-            peak = add_other(peak, "allocator: kernel scratch and untracked", alloc_peak - peak.total)
-        elif alloc_peak is None:
-            notes.append("without the allocator's history (--no-trace) and with the global peak not rising in "
-                         "this cell, the cell's peak is the tracked one; max_memory_allocated was left untouched")
-        return after, peak
+    def _reconcile(self, before: Breakdown, after: Breakdown, peak: Breakdown, stats: DeviceStats | None,
+                   notes: list[str]) -> tuple[Breakdown, Breakdown, Breakdown]:
+        """On CUDA, add what the allocator holds beyond the tracked storages (workspaces, kernel scratch, unsplit
+        remainders of blocks) to before, after and the peak alike: all three in the allocator's blocks."""
+        cell = self._cuda
+        if cell is not None:
+            notes.extend(cell.notes)
+        usage = cell.usage.get(self.device) if cell is not None else None
+        if usage is None:  # CUDA not initialised, before the block and after it
+            return before, after, peak
+        label = "allocator: workspaces, rounding and untracked"
+        if usage.before > before.total:
+            before = add_other(before, label, usage.before - before.total)
+        if usage.after > after.total:
+            after = add_other(after, label, usage.after - after.total)
+        if usage.peak > peak.total:
+            peak = add_other(peak, "allocator: kernel scratch, rounding and untracked", usage.peak - peak.total)
+        return before, after, peak
 
     def _oom_info(self, source: Tracker | Replayed, trace: Trace, index: int,
-                  exc: BaseException | None) -> OomInfo:
+                  exc: BaseException | None, notes: list[str]) -> OomInfo:
         info = source.oom or {}
         if not info.get("requested") and exc is not None:  # raised by the CUDA allocator itself
-            info = {**info, "requested": cuda.requested_bytes(str(exc))}
+            traced = self._cuda.oom_request if self._cuda is not None else None
+            requested, note = cuda.oom_requested(str(exc), traced)
+            info = {**info, "requested": requested}
+            if note:
+                notes.append(note)
         live = trace.breakdown_at(index)
         names = source.oom_holders
         holders: dict[str, int] = {}

@@ -1,22 +1,90 @@
-"""CUDA specifics: device resolution, allocator statistics, the allocator's rounding.
+"""CUDA specifics: which device, the allocator's counters and history around a cell, ``--budget``.
 
-Everything that only a GPU can answer lives here, small, so the rest of the engine is shared with CPU.
+Everything that only a GPU can answer lives here, so the rest of the engine is shared with the CPU. Two rules
+hold throughout:
+
+* **Looking never initialises CUDA.** ``torch.cuda.current_device()``, ``mem_get_info``,
+  ``get_device_properties`` and turning on the memory history all initialise CUDA (and the first two create a
+  context, a few hundred MiB, on the device); a kernel that initialised CUDA cannot use it in forked workers. So
+  nothing here calls them unless ``torch.cuda.is_initialized()`` — and ``mem_get_info`` only on a device that
+  already has a context. Otherwise the figures say "not initialised".
+* **One unit: the allocator's blocks.** ``memory_allocated`` counts blocks (requests rounded to 512 bytes, plus
+  unsplit remainders); the history's entries carry requested sizes and are converted (``cuda_history``).
+
+The thin part that calls PyTorch is :class:`CudaCell`; what it computes from the dicts PyTorch returns is in
+plain functions (:func:`device_usage`, :func:`budget_plan`, ``cuda_history``, ``cuda_oom``), tested on the
+shapes PyTorch's source emits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..report import DeviceStats
+from ..units import format_bytes
+from .cuda_history import HistoryReplay, cell_window, end_blocks, expected_entries, replay_blocks
+from .cuda_oom import parse_oom_message, requested_bytes
+
+#: entries of the history the engine records itself (about three per tensor: alloc, free requested, completed)
+HISTORY_ENTRIES = 300_000
+
+
+# --- state that can be read without initialising anything -------------------------------------------------
+def initialized() -> bool:
+    try:
+        return bool(torch.cuda.is_initialized())
+    except Exception:
+        return False
+
+
+def has_context(index: int) -> bool:
+    """Whether ``cuda:index`` already has a (primary) context; asking creates none."""
+    if not initialized():
+        return False
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if probe is None:
+        return False
+    try:
+        return bool(probe(index))
+    except Exception:
+        return False
+
+
+def allocator_backend() -> str:
+    """``native`` (the caching allocator), ``cudaMallocAsync``, or what a pluggable allocator calls itself."""
+    try:
+        return str(torch.cuda.get_allocator_backend())
+    except Exception:
+        return "native"
+
+
+def _current_index() -> int:
+    """The current device if CUDA is initialised; else the index a ``set_default_device("cuda:N")`` names, else 0
+    (what CUDA will pick)."""
+    if initialized():
+        try:
+            return int(torch.cuda.current_device())
+        except Exception:
+            return 0
+    try:  # torch.get_default_device() would make a tensor to learn an unindexed device's index
+        context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+        device = getattr(context, "device", None)
+        if device is not None and device.type == "cuda" and device.index is not None:
+            return int(device.index)
+    except Exception:
+        pass
+    return 0
 
 
 def resolve_device(device: Any = None) -> str:
     """``None`` → the current CUDA device if there is one, else ``cpu``. Returns ``cpu`` or ``cuda:N``."""
     if device is None:
         if torch.cuda.is_available():
-            return f"cuda:{torch.cuda.current_device()}"
+            return f"cuda:{_current_index()}"
         return "cpu"
     try:
         dev = torch.device(device)
@@ -28,32 +96,72 @@ def resolve_device(device: Any = None) -> str:
         raise ValueError(f"device {device!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
     if not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
-    index = torch.cuda.current_device() if dev.index is None else dev.index
+    index = _current_index() if dev.index is None else dev.index
     if index >= torch.cuda.device_count():
         raise ValueError(f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
     return f"cuda:{index}"
 
 
-def device_stats(device: str) -> DeviceStats:
-    """Allocator statistics and the driver's free/total for ``cuda:N``."""
-    index = int(device.split(":")[1])
-    stats = torch.cuda.memory_stats(index)
-    free, total = torch.cuda.mem_get_info(index)
+def _index(device: str) -> int:
+    return int(device.split(":")[1]) if ":" in device else 0
+
+
+def raw_stats(index: int) -> dict[str, Any]:
+    """``torch.cuda.memory_stats(index)``: ``{}`` while CUDA is not initialised (PyTorch returns it so itself);
+    reading it never creates a context."""
+    if not initialized():
+        return {}
+    try:
+        return dict(torch.cuda.memory_stats(index))
+    except Exception:
+        return {}
+
+
+def stats_from(device: str, stats: Mapping[str, Any], free_total: tuple[int, int] | None,
+               total: int | None = None) -> DeviceStats:
+    """A :class:`DeviceStats` from a ``memory_stats()`` dict and the driver's ``(free, total)`` if known."""
+    free = total_ = None
+    if free_total is not None:
+        free, total_ = int(free_total[0]), int(free_total[1])
     return DeviceStats(
         device=device,
         allocated=int(stats.get("allocated_bytes.all.current", 0)),
         reserved=int(stats.get("reserved_bytes.all.current", 0)),
-        total=int(total),
-        free=int(free),
+        total=total_ if total_ is not None else total,
+        free=free,
         inactive_split=int(stats.get("inactive_split_bytes.all.current", 0)),
         peak_allocated=int(stats.get("allocated_bytes.all.peak", 0)),
     )
 
 
+def device_stats(device: str) -> DeviceStats | None:
+    """Allocator statistics and the driver's free/total for ``cuda:N``; ``None`` while CUDA is not initialised.
+    Free memory is read only where a context exists (reading it elsewhere would create one)."""
+    if not initialized():
+        return None
+    index = _index(device)
+    free_total = None
+    if has_context(index):
+        try:
+            free_total = torch.cuda.mem_get_info(index)
+        except Exception:
+            free_total = None
+    return stats_from(device, raw_stats(index), free_total, capacity(device))
+
+
 def capacity(device: str) -> int | None:
-    if device.startswith("cuda"):
-        return int(torch.cuda.get_device_properties(int(device.split(":")[1])).total_memory)
-    return None
+    """The device's total memory; ``None`` on the CPU and while CUDA is not initialised."""
+    if not device.startswith("cuda") or not initialized():
+        return None
+    try:
+        return int(torch.cuda.get_device_properties(_index(device)).total_memory)
+    except Exception:
+        return None
+
+
+def not_initialised_note(device: str) -> str:
+    return (f"CUDA is not initialised in this process: nothing is allocated on {device} yet (vram_magic does not "
+            "initialise CUDA or create a context just to look)")
 
 
 def peak_if_risen(before: DeviceStats | None, after: DeviceStats | None) -> int | None:
@@ -69,79 +177,319 @@ def peak_if_risen(before: DeviceStats | None, after: DeviceStats | None) -> int 
     return None
 
 
-class History:
-    """The caching allocator's own history around one cell (Python-only stacks, capped entries).
+# --- what a cell did to one device, from plain data --------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceUsage:
+    """One device over a cell, in the allocator's blocks: allocated ``before``, ``after`` and at the cell's
+    ``peak``; ``touched`` when the cell allocated or freed on it."""
 
-    If the user already records history, their setting is left alone and only read; otherwise recording is
-    switched on for the cell and off again after it.
-    """
+    device: str
+    before: int
+    after: int
+    peak: int
+    touched: bool
+    oom: int | None = None
+    notes: tuple[str, ...] = ()
 
-    def __init__(self, device: str, max_entries: int = 200_000) -> None:
-        self.device = device
-        self.index = int(device.split(":")[1])
-        self.max_entries = max_entries
-        self.ours = False
-        self.since = 0
 
-    def start(self) -> History:
-        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)()
-        if enabled:
-            snap = torch.cuda.memory._snapshot()
-            self.since = len(snap["device_traces"][self.index])
-        else:
-            record = torch.cuda.memory._record_memory_history
-            try:  # a fresh history: nothing of earlier cells in the trace
-                record(enabled="all", context="alloc", stacks="python", max_entries=self.max_entries,
-                       clear_history=True)
-            except TypeError:  # older PyTorch: no clear_history, so skip what is already there
-                record(enabled="all", context="alloc", stacks="python", max_entries=self.max_entries)
-                self.since = len(torch.cuda.memory._snapshot()["device_traces"][self.index])
-            self.ours = True
+def touched(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
+    """Whether a cell allocated or freed on a device, from two ``memory_stats()`` dicts (cumulative counters of
+    the native allocator; the current and peak bytes, all ``cudaMallocAsync`` reports)."""
+    keys = ("allocation.all.allocated", "allocation.all.freed", "allocated_bytes.all.current",
+            "allocated_bytes.all.peak", "num_ooms")
+    return any(int(after.get(k, 0)) != int(before.get(k, 0)) for k in keys)
+
+
+def device_usage(device: str, before: Mapping[str, Any] | None, after: Mapping[str, Any],
+                 snapshot: Mapping[str, Any] | None, *, history: str | None,
+                 since: int | None = None) -> tuple[DeviceUsage, HistoryReplay | None]:
+    """The cell on one device. ``before``/``after``: ``memory_stats()`` of that device at the cell's start and
+    end (``None`` before: CUDA was initialised by the cell, whose allocator then started at zero). ``snapshot``:
+    ``torch.cuda.memory._snapshot()`` at the end, ``history``: ``"ours"`` (recorded for the cell, cleared when
+    it started), ``"user"`` (the user's own recording), or ``None``.
+
+    The peak is the largest of: the replayed history (block sizes), the global peak counter when it rose during
+    the cell (then exact), before and after; and never above the global peak counter."""
+    index = _index(device)
+    after_alloc = int(after.get("allocated_bytes.all.current", 0))
+    global_peak = int(after.get("allocated_bytes.all.peak", after_alloc))
+    notes: list[str] = []
+    if before is None:  # the allocator was created inside the cell: its counters are the cell's
+        return DeviceUsage(device, 0, after_alloc, max(global_peak, after_alloc), global_peak > 0, None,
+                           (f"CUDA was initialised by this cell: {device}'s peak is the allocator's own peak "
+                            "counter, which started with it",)), None
+    before_alloc = int(before.get("allocated_bytes.all.current", 0))
+    was = touched(before, after)
+    candidates = [before_alloc, after_alloc]
+    before_peak = int(before.get("allocated_bytes.all.peak", before_alloc))
+    if global_peak > before_peak:
+        candidates.append(global_peak)  # the counter rose during the cell: its new value is the cell's peak
+    rep = None
+    oom = None
+    if snapshot is not None and history is not None:
+        traces = snapshot.get("device_traces", ())
+        entries = traces[index] if index < len(traces) else []
+        expected = expected_entries(before, after)
+        window = cell_window(entries, expected, since=0 if history == "ours" and since is None else since)
+        cell = entries[window.start:]
+        blocks = end_blocks(snapshot.get("segments", ()), index)
+        if window.complete:
+            rep = replay_blocks(cell, start=before_alloc, blocks_at_end=blocks)
+            if rep.end != after_alloc and was:
+                gap = format_bytes(abs(rep.end - after_alloc))
+                notes.append(f"the allocator's history and its counters differ by {gap} at the end of the cell on "
+                             f"{device} ({rep.estimated} large block(s) whose unsplit remainder the history does not "
+                             "show): the peak may be off by up to that")
+            if not window.counted and expected is not None:
+                notes.append(f"the allocator's history on {device} did not match its counters (counters reset, or "
+                             "actions skipped while recording): the peak from the history is approximate")
+        elif was:
+            kept = len(cell) if len(entries) > 1 else 0  # a 'state' recording's one entry is no trace
+            if kept:
+                rep = replay_blocks(cell, end=after_alloc, blocks_at_end=blocks)
+            what = ("your memory-history recording keeps no trace of events (enabled='state', or the legacy "
+                    "switch)" if len(entries) <= 1 else
+                    f"the allocator's history holds {len(entries):,} events and this cell made {window.expected:,}: "
+                    "the buffer wrapped")
+            how = f"replayed from the last {kept:,} events and " if kept else ""
+            notes.append(f"{what}; on {device} the cell's peak is {how}taken from the counters (exact when the "
+                         "global peak rose during the cell)")
+        if rep is not None:
+            candidates.append(min(rep.peak, global_peak))
+            oom = rep.oom
+    elif was and global_peak <= before_peak:
+        notes.append(f"without the allocator's history the cell's peak on {device} is the larger of before and after "
+                     "(the global peak counter did not rise; it was left untouched)")
+    return DeviceUsage(device, before_alloc, after_alloc, max(candidates), was, oom, tuple(notes)), rep
+
+
+# --- --budget on CUDA ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BudgetPlan:
+    """What ``--budget`` does to the allocator of one device: set ``fraction`` and put ``restore`` back after the
+    cell (both ``None``: the allocator is left alone and only the tracker enforces the budget); ``notes``."""
+
+    fraction: float | None
+    restore: float | None
+    notes: tuple[str, ...] = ()
+
+
+def budget_plan(budget: int, total: int, reserved: int, previous: float | None, backend: str) -> BudgetPlan:
+    """``previous``: the user's own fraction from ``get_per_process_memory_fraction`` (``None`` where PyTorch has
+    no such getter, before 2.6: then the user's fraction could not be put back, and it is not touched).
+
+    The fraction caps what the allocator *reserves* from the device, checked when it needs a new segment; blocks
+    already cached are reused without a check, so a cache above the budget at the start lets the cell go past it
+    (the tracker still checks the budget against live tensors)."""
+    notes: list[str] = []
+    if previous is None:
+        return BudgetPlan(None, None, (
+            "--budget is enforced on live tensors only on this PyTorch (it cannot read your allocator fraction "
+            "before 2.6 to put it back, so the allocator itself is not limited)",))
+    fraction = min(budget / total, previous, 1.0)
+    if backend == "native" and reserved > budget:
+        notes.append(f"PyTorch's allocator already reserves {format_bytes(reserved)}, more than the "
+                     f"{format_bytes(budget)} budget: its cached blocks are reused without the limit (the budget is "
+                     "still checked against live tensors)")
+    return BudgetPlan(fraction, previous, tuple(notes))
+
+
+# --- the thin part that calls PyTorch ------------------------------------------------------------------------
+@dataclass
+class CudaCell:
+    """The CUDA side of one measured cell: call :meth:`start` before it and :meth:`stop` after it (``stop`` never
+    raises and may be called twice). Then ``usage`` (device → :class:`DeviceUsage`, every device the cell
+    touched and the measured one), ``peak`` and ``before``/``after`` of the measured device, ``oom_request`` and
+    ``notes``."""
+
+    device: str
+    budget: int | None = None
+    history_entries: int = HISTORY_ENTRIES
+    backend: str = ""
+    initialised_at_start: bool = False
+    history: str | None = None
+    usage: dict[str, DeviceUsage] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    oom_request: int | None = None
+    _before: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _contexts: set[int] = field(default_factory=set)
+    _restore_fraction: float | None = None
+    _patched: Any = None
+    _user_switched: list[Any] = field(default_factory=list)
+    _running: bool = False
+
+    @property
+    def index(self) -> int:
+        return _index(self.device)
+
+    def start(self) -> CudaCell:
+        self._running = True
+        self.backend = allocator_backend()
+        count = torch.cuda.device_count()
+        if self.budget is not None and not initialized():
+            # the allocator's limit must be set before the cell allocates: --budget initialises the measured device
+            torch.cuda.init()
+            self.notes.append(f"--budget initialised CUDA on {self.device} before the cell ran (its allocator is "
+                              "limited before the cell allocates)")
+        self.initialised_at_start = initialized()
+        if not self.initialised_at_start:
+            return self
+        self._contexts = {i for i in range(count) if has_context(i)}
+        self._before = {i: raw_stats(i) for i in range(count)}
+        if self.budget is not None:
+            self._limit()
+        self._start_history()
         return self
 
-    def stop(self) -> dict[str, Any]:
-        try:
-            return torch.cuda.memory._snapshot()
-        finally:
-            if self.ours:
-                torch.cuda.memory._record_memory_history(enabled=None)
-
-    def cell_peak(self, snapshot: dict[str, Any]) -> int:
-        from ..snapshot import replay
-
-        return replay(snapshot, self.index, self.since)[1]
-
-
-class Fraction:
-    """``--budget`` on CUDA: the caching allocator limited to ``budget`` bytes of the device for one cell
-    (``set_per_process_memory_fraction``), and the user's own fraction put back afterwards."""
-
-    def __init__(self, device: str, budget: int) -> None:
-        self.index = int(device.split(":")[1])
-        self.budget = budget
-        self.previous: float | None = None
-
-    def __enter__(self) -> Fraction:
-        total = torch.cuda.get_device_properties(self.index).total_memory
+    def _limit(self) -> None:
+        index = self.index
         getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        self.previous = float(getter(self.index)) if getter is not None else 1.0
-        torch.cuda.set_per_process_memory_fraction(min(self.budget / total, 1.0), self.index)
-        return self
+        previous = None
+        if getter is not None:
+            try:
+                previous = float(getter(index))
+            except Exception:
+                previous = None
+        total = capacity(self.device) or 0
+        reserved = int(self._before.get(index, {}).get("reserved_bytes.all.current", 0))
+        if not total:
+            return
+        plan = budget_plan(self.budget or 0, total, reserved, previous, self.backend)
+        self.notes.extend(plan.notes)
+        if plan.fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(plan.fraction, index)
+            self._restore_fraction = plan.restore
 
-    def __exit__(self, *exc: Any) -> None:
-        torch.cuda.set_per_process_memory_fraction(self.previous if self.previous is not None else 1.0, self.index)
+    def _start_history(self) -> None:
+        if self.backend != "native":
+            self.notes.append(f"the {self.backend} allocator keeps no allocation history: the cell's peak comes from "
+                              "its counters (the driver's high-water mark when it rose during the cell)")
+            return
+        memory = torch.cuda.memory
+        try:
+            if bool(torch._C._cuda_isHistoryEnabled()):
+                self.history = "user"  # theirs: read, never changed
+                return
+        except Exception:
+            pass
+        record = memory._record_memory_history
+        try:
+            try:  # no stacks: the replay reads sizes and addresses only
+                record(enabled="all", context=None, stacks="python", max_entries=self.history_entries,
+                       clear_history=True)
+            except TypeError:
+                record(enabled="all", context=None, stacks="python", max_entries=self.history_entries)
+        except RuntimeError as err:
+            self.notes.append(f"the allocator's history could not be recorded ({err}): the cell's peak comes from "
+                              "the counters")
+            return
+        self.history = "ours"
+        switched = self._user_switched
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            switched.append(args[0] if args else kwargs.get("enabled", "all"))
+            return record(*args, **kwargs)
+
+        self._patched = record
+        memory._record_memory_history = watched
+
+    def stop(self) -> None:
+        """Put back what :meth:`start` changed (history, fraction) and read the cell's figures. Never raises."""
+        if not self._running:
+            return
+        self._running = False
+        snapshot = None
+        try:
+            if self._patched is not None:
+                torch.cuda.memory._record_memory_history = self._patched
+            if self.history is not None:
+                try:
+                    snapshot = torch.cuda.memory._snapshot()
+                except Exception as err:
+                    self.notes.append(f"the allocator's history could not be read ({type(err).__name__}: {err})")
+            if self.history == "ours":
+                if self._user_switched:
+                    if self._user_switched[-1] in (None, False):
+                        self.notes.append("the cell switched the memory history off: the cell's peak comes from "
+                                          "the counters for what followed")
+                    else:
+                        self.notes.append("the cell turned on memory-history recording itself: it is left on")
+                else:
+                    self._patched(enabled=None)
+        except Exception as err:
+            self.notes.append(f"the allocator's history could not be switched off ({type(err).__name__}: {err})")
+        finally:
+            self._patched = None
+            self._unlimit()
+        try:
+            self._read(snapshot)
+        except Exception as err:
+            self.notes.append(f"the allocator's figures could not be read ({type(err).__name__}: {err})")
+
+    def _unlimit(self) -> None:
+        if self._restore_fraction is None:
+            return
+        try:
+            torch.cuda.set_per_process_memory_fraction(self._restore_fraction, self.index)
+        except Exception as err:
+            self.notes.append(f"your allocator fraction could not be put back ({type(err).__name__}: {err})")
+        finally:
+            self._restore_fraction = None
+
+    def _read(self, snapshot: Mapping[str, Any] | None) -> None:
+        if not initialized():
+            self.notes.append(not_initialised_note(self.device))
+            return
+        for i in range(torch.cuda.device_count()):
+            device = f"cuda:{i}"
+            after = raw_stats(i)
+            before = self._before.get(i) if self.initialised_at_start else None
+            if before is None and device != self.device and not int(after.get("allocated_bytes.all.peak", 0)):
+                continue  # initialised by the cell, never used
+            usage, _ = device_usage(device, before, after, snapshot, history=self.history)
+            if usage.touched or device == self.device:
+                self.usage[device] = usage
+                self.notes.extend(usage.notes)
+            if device == self.device and usage.oom is not None:
+                self.oom_request = usage.oom
+            if i not in self._contexts and has_context(i):
+                self.notes.append(f"this cell created the CUDA context on {device} (CUDA's own memory for it and its "
+                                  "libraries lies outside PyTorch's allocator: nvidia-smi counts it, "
+                                  "memory_allocated does not)")
+        others = [u for d, u in self.usage.items() if d != self.device and u.touched]
+        for u in sorted(others, key=lambda u: -u.peak):
+            self.notes.append(f"this cell also used {u.device}: {format_bytes(u.before)} before, peak "
+                              f"{format_bytes(u.peak)}, {format_bytes(u.after)} after (allocator counters; measure it "
+                              f"with --device {u.device} for the split by category)")
+        mine = self.usage.get(self.device)
+        if others and mine is not None and not mine.touched:
+            self.notes.append(f"{self.device}, measured by default, was not used by this cell")
+
+    # --- results of the measured device -------------------------------------------------------------------
+    @property
+    def peak(self) -> int | None:
+        u = self.usage.get(self.device)
+        return u.peak if u is not None else None
+
+    @property
+    def before(self) -> int | None:
+        u = self.usage.get(self.device)
+        return u.before if u is not None else None
 
 
-def requested_bytes(message: str) -> int | None:
-    """The size in a CUDA OOM message: ``Tried to allocate 20.00 MiB``."""
-    import re
+def oom_requested(message: str, traced: int | None) -> tuple[int | None, str]:
+    """The failed request of a CUDA out-of-memory error: the history's ``oom`` entry if there is one, else what
+    the message tells (with a note when that is a range)."""
+    if traced is not None:
+        return traced, ""
+    parsed = parse_oom_message(message)
+    if parsed is None:
+        return None, ""
+    if parsed.segment is None:
+        return parsed.requested, ""
+    return parsed.requested, parsed.describe()
 
-    from ..units import parse_size
 
-    match = re.search(r"Tried to allocate ([0-9.]+) ?([KMGT]i?B)", message)
-    if match is None:
-        return None
-    try:
-        return parse_size(match.group(1) + match.group(2))
-    except ValueError:
-        return None
+__all__ = ["BudgetPlan", "CudaCell", "DeviceUsage", "allocator_backend", "budget_plan", "capacity",
+           "device_stats", "device_usage", "has_context", "initialized", "oom_requested", "peak_if_risen",
+           "requested_bytes", "resolve_device", "stats_from", "touched"]

@@ -1,0 +1,204 @@
+"""A cell's part of the CUDA allocator's history, replayed in block sizes, and what the engine makes of a device
+over a cell. Inputs have PyTorch's shapes:
+
+* trace entries as ``torch/csrc/cuda/memory_snapshot.cpp`` (and ``Module.cpp``'s ``_snapshot``) write them:
+  ``{"action", "addr" (``"device_free"`` for ``oom``), "size", "stream", "time_us"}``, with the sizes
+  ``record_trace`` passes in ``c10/cuda/CUDACachingAllocator.cpp``: ``orig_size`` for ``alloc``, the block's
+  ``requested_size`` for ``free_requested``/``free_completed``, the segment size for ``segment_alloc``, the
+  rounded request for ``oom``;
+* segments as ``segmentInfoToDict`` writes them (``blocks`` with ``address``, ``size``, ``requested_size``,
+  ``state`` of ``active_allocated`` / ``active_pending_free`` / ``inactive``);
+* ``memory_stats()`` as ``torch/cuda/memory.py`` flattens it (``allocated_bytes.all.current``,
+  ``allocation.all.allocated``, ``num_device_alloc``, ...; zeros for the stats a ``cudaMallocAsync`` backend
+  does not keep, per ``CUDAMallocAsyncAllocator.cpp``'s ``getDeviceStats``).
+
+The cell below, worked by hand (8 MiB allocated before it, a 100 MiB global peak from earlier):
+a new 20 MiB segment and a 4 MiB + 100 B request at its start (block 4 MiB + 512: the rest is split off), a
+15 MiB + 300 B request from the 16 MiB - 512 left (1 MiB - 1024 would remain: not split, block 16 MiB - 512,
+still alive at the end), a 100 B request (512), then both small and 4 MiB blocks freed.
+"""
+
+from __future__ import annotations
+
+from vram_magic.engine.cuda import device_usage, touched
+from vram_magic.engine.cuda_history import cell_window, end_blocks, expected_entries, replay_blocks
+from vram_magic.snapshot import replay
+
+KiB, MiB = 1024, 1024**2
+S1 = 0x7F10_0000_0000  # the new segment
+A = 0x7F20_0000_0200  # a small block in an older small segment
+T = 1_700_000_000_000_000  # time_us: microseconds since the epoch
+
+
+def e(action: str, addr: int, size: int, t: int = 0) -> dict:
+    key = "device_free" if action == "oom" else "addr"
+    return {"action": action, key: addr, "size": size, "stream": 0, "time_us": T + t}
+
+
+CELL = [
+    e("segment_alloc", S1, 20 * MiB, 1),
+    e("alloc", S1, 4 * MiB + 100, 2),
+    e("alloc", S1 + 4 * MiB + 512, 15 * MiB + 300, 3),
+    e("alloc", A, 100, 4),
+    e("free_requested", S1, 4 * MiB + 100, 5),
+    e("free_completed", S1, 4 * MiB + 100, 6),
+    e("free_requested", A, 100, 7),
+    e("free_completed", A, 100, 8),
+]
+
+
+def stats(current: int, peak: int, allocs: int, freed: int, completed: int, segments: int, ooms: int = 0) -> dict:
+    out = {f"{stat}.{pool}.{kind}": 0 for stat in ("allocation", "allocated_bytes", "active", "reserved_bytes")
+           for pool in ("all", "small_pool", "large_pool") for kind in ("current", "peak", "allocated", "freed")}
+    out.update({"allocated_bytes.all.current": current, "allocated_bytes.all.peak": peak,
+                "allocation.all.allocated": allocs, "allocation.all.freed": freed, "active.all.freed": completed,
+                "num_device_alloc": segments, "num_device_free": 0, "num_ooms": ooms, "num_alloc_retries": 0})
+    return out
+
+
+BEFORE = stats(8 * MiB, 100 * MiB, 10, 8, 8, 3)
+AFTER = stats(24 * MiB - 512, 100 * MiB, 13, 10, 10, 4)
+
+
+def segments(blocks: list[tuple[int, int, int, str]], device: int = 0) -> list[dict]:
+    """One segment per block list entry group: (address, size, requested_size, state)."""
+    out = []
+    for addr, size, requested, state in blocks:
+        out.append({"device": device, "address": addr, "total_size": size, "allocated_size": size,
+                    "active_size": size, "requested_size": requested, "stream": 0, "segment_type": "large",
+                    "segment_pool_id": (0, 0), "is_expandable": False, "frames": [],
+                    "blocks": [{"address": addr, "size": size, "requested_size": requested, "state": state,
+                                "frames": []}]})
+    return out
+
+
+END = segments([(S1 + 4 * MiB + 512, 16 * MiB - 512, 15 * MiB + 300, "active_allocated")])
+
+
+def test_counters_say_how_many_entries_the_cell_wrote():
+    assert expected_entries(BEFORE, AFTER) == {"alloc": 3, "free_requested": 2, "free_completed": 2,
+                                               "segment": 1, "oom": 0}
+    assert expected_entries(BEFORE, {**AFTER, "allocation.all.allocated": 0}) is None  # reset during the cell
+    assert expected_entries({}, AFTER) is None
+
+
+def test_the_cells_entries_are_counted_back_from_the_end():
+    older = [e("alloc", 0x1000, 512), e("free_requested", 0x1000, 512), e("free_completed", 0x1000, 512)]
+    user = [*older, *CELL[:4], e("snapshot", 0, 8 * MiB), *CELL[4:]]  # a _snapshot() of the user's in the cell
+    w = cell_window(user, expected_entries(BEFORE, AFTER))
+    assert (w.start, w.complete, w.counted) == (3, True, True)
+    wrapped = cell_window(CELL[4:], expected_entries(BEFORE, AFTER))  # the ring buffer kept the last four
+    assert (wrapped.complete, wrapped.expected) == (False, 8)
+    assert cell_window(CELL, None, since=0).start == 0
+
+
+def test_replay_in_block_sizes_matches_the_counters():
+    rep = replay_blocks(CELL, start=8 * MiB, blocks_at_end=end_blocks(END, 0))
+    # 8 MiB, +4 MiB+512 (new segment, split), +16 MiB-512 (alive at the end: its block), +512, -(4 MiB+512), -512
+    assert rep.peak == 28 * MiB + 512 and rep.peak_entry == 4
+    assert rep.end == AFTER["allocated_bytes.all.current"] and rep.estimated == 0
+
+
+def test_a_block_size_the_trace_does_not_show_is_its_rounded_request():
+    freed_too = [*CELL, e("free_requested", S1 + 4 * MiB + 512, 15 * MiB + 300, 9)]
+    rep = replay_blocks(freed_too, start=8 * MiB, blocks_at_end={})
+    assert rep.peak == 8 * MiB + (4 * MiB + 512) + (15 * MiB + 512) + 512  # real block: 16 MiB - 512
+    assert rep.end == 8 * MiB and rep.estimated == 1
+
+
+def test_frees_count_when_requested_not_when_another_stream_is_done():
+    # record_stream: the block's free is requested (allocated_bytes drops) long before it completes
+    entries = [e("alloc", A, 100), e("free_requested", A, 100), e("alloc", A + 512, 1000),
+               e("free_completed", A, 100)]
+    assert replay_blocks(entries, start=0).peak == 1024
+
+
+def test_backwards_from_the_end_when_the_start_is_lost():
+    rep = replay_blocks(CELL[4:], end=24 * MiB - 512)
+    # frees of blocks allocated before the window: 4 MiB+512 and 512, so the window started at 28 MiB + 512
+    assert (rep.start, rep.peak, rep.end) == (28 * MiB + 512, 28 * MiB + 512, 24 * MiB - 512)
+
+
+def test_oom_entry_size_is_read():
+    rep = replay_blocks([*CELL, e("oom", 3 * MiB, 4 * MiB + 512, 9)], start=8 * MiB, blocks_at_end=end_blocks(END, 0))
+    assert rep.oom == 4 * MiB + 512 and rep.peak == 28 * MiB + 512
+
+
+def snap(trace: list[dict], segs: list[dict] = END) -> dict:
+    return {"segments": segs, "device_traces": [trace], "allocator_settings": {}}
+
+
+def test_device_usage_with_our_own_history():
+    usage, _ = device_usage("cuda:0", BEFORE, AFTER, snap(CELL), history="ours")
+    assert (usage.before, usage.after, usage.peak, usage.touched) == (8 * MiB, 24 * MiB - 512, 28 * MiB + 512, True)
+    assert usage.notes == ()
+
+
+def test_device_usage_reads_the_users_longer_history():
+    older = [e("alloc", 0x1000, 512), e("free_requested", 0x1000, 512), e("free_completed", 0x1000, 512)]
+    usage, _ = device_usage("cuda:0", BEFORE, AFTER, snap([*older, *CELL]), history="user")
+    assert usage.peak == 28 * MiB + 512 and usage.notes == ()
+
+
+def test_a_wrapped_buffer_is_said_and_the_peak_kept_from_what_is_left():
+    usage, _ = device_usage("cuda:0", BEFORE, AFTER, snap(CELL[4:]), history="user")
+    assert usage.peak == 28 * MiB + 512
+    assert "the buffer wrapped" in usage.notes[0] and "holds 4 events and this cell made 8" in usage.notes[0]
+
+
+def test_a_state_only_recording_leaves_the_counters():
+    usage, _ = device_usage("cuda:0", BEFORE, AFTER, snap(CELL[-1:]), history="user")
+    assert usage.peak == 24 * MiB - 512  # the global peak did not rise: before and after are all that is known
+    assert "keeps no trace" in usage.notes[0]
+    risen = {**AFTER, "allocated_bytes.all.peak": 150 * MiB}
+    before = {**BEFORE, "allocated_bytes.all.peak": 8 * MiB}
+    assert device_usage("cuda:0", before, risen, snap(CELL[-1:]), history="user")[0].peak == 150 * MiB
+
+
+def test_the_replay_never_goes_above_the_global_peak_counter():
+    low = {**AFTER, "allocated_bytes.all.peak": 26 * MiB}
+    before = {**BEFORE, "allocated_bytes.all.peak": 26 * MiB}
+    assert device_usage("cuda:0", before, low, snap(CELL), history="ours")[0].peak == 26 * MiB
+
+
+def test_counters_and_history_that_disagree_are_said():
+    old = 0x7F30_0000_0000  # a 12 MiB block (11 MiB asked, 1 MiB unsplit) allocated before the cell
+    before = stats(20 * MiB, 100 * MiB, 5, 0, 0, 2)
+    after = stats(8 * MiB, 100 * MiB, 5, 1, 1, 2)
+    cell = [e("free_requested", old, 11 * MiB), e("free_completed", old, 11 * MiB)]
+    usage, _ = device_usage("cuda:0", before, after, snap(cell, []), history="ours")
+    assert usage.peak == 20 * MiB
+    assert "differ by 1.00 MiB" in usage.notes[0] or "differ by 1.0 MiB" in usage.notes[0]
+
+
+def test_cuda_initialised_by_the_cell_takes_the_allocators_own_peak():
+    usage, _ = device_usage("cuda:0", None, stats(1 * MiB, 5 * MiB, 3, 2, 2, 1), None, history=None)
+    assert (usage.before, usage.after, usage.peak, usage.touched) == (0, MiB, 5 * MiB, True)
+    assert "initialised by this cell" in usage.notes[0]
+
+
+def test_cuda_malloc_async_has_only_current_and_peak_bytes():
+    before = stats(8 * MiB, 8 * MiB, 0, 0, 0, 0)
+    after = stats(8 * MiB, 40 * MiB, 0, 0, 0, 0)  # the driver's high-water mark rose: that is the cell's peak
+    usage, _ = device_usage("cuda:0", before, after, None, history=None)
+    assert usage.touched and usage.peak == 40 * MiB and usage.notes == ()
+    flat = stats(8 * MiB, 50 * MiB, 0, 0, 0, 0)
+    usage, _ = device_usage("cuda:0", flat, stats(12 * MiB, 50 * MiB, 0, 0, 0, 0), None, history=None)
+    assert usage.peak == 12 * MiB and "larger of before and after" in usage.notes[0]
+
+
+def test_an_untouched_device():
+    assert not touched(BEFORE, dict(BEFORE))
+    usage, _ = device_usage("cuda:1", BEFORE, dict(BEFORE), snap([], []), history="ours")
+    assert not usage.touched and usage.peak == 8 * MiB and usage.notes == ()
+
+
+def test_snapshot_replay_is_in_requested_sizes_with_frees_when_requested():
+    # PyTorch's own snapshot: at the end one block alive (asked 15 MiB + 300) and one pending on another stream
+    segs = segments([(S1 + 4 * MiB + 512, 16 * MiB - 512, 15 * MiB + 300, "active_allocated"),
+                     (0x7F40_0000_0000, 2 * MiB, 100, "active_pending_free")])
+    trace = [*CELL, e("alloc", 0x7F40_0000_0000, 100, 9), e("free_requested", 0x7F40_0000_0000, 100, 10)]
+    start, peak, at = replay(snap(trace, segs))
+    # requested sizes: end 15 MiB+300; deltas +4 MiB+100, +15 MiB+300, +100, -(4 MiB+100), -100, +100, -100
+    assert start == 0
+    assert (peak, at) == (4 * MiB + 100 + 15 * MiB + 300 + 100, 4)
