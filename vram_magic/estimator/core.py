@@ -10,7 +10,7 @@ from typing import Any
 from ..report import Breakdown
 from ..trace import alive_after
 from ..units import parse_size
-from .cuda_model import CudaModel
+from .cuda_model import CudaModel, allocator_layout
 from .gpus import GPU, find_gpu
 from .options import Options
 from .result import Estimate
@@ -84,8 +84,6 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
     modelled: dict[str, int] = {}
     notes: list[str] = list(trace.notes)
     if cuda:
-        for s, n in sizes.items():
-            sizes[s] = cm.round(n)
         if not trace.fused:
             for s in trace.host_scalars:  # Adam's `step` counters live on the host unless fused/capturable
                 sizes[s] = 0
@@ -113,7 +111,7 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
 
         workspaces, rnn_spikes = rnn_sizes(trace.rnns)
         for s, n in workspaces.items():
-            sizes[s] = cm.round(n) if cuda else n
+            sizes[s] = n
         if not cuda:
             for i, n in rnn_spikes.items():
                 spikes[i] = spikes.get(i, 0) + n
@@ -130,6 +128,13 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
     # FSDP/ZeRO gather and reduce during the forward and backward of a step; none is alive in the update
     window = (trace.marks.get("step_start", 0), trace.marks.get("backward_end", len(trace.events)),
               sum(buffers.values()))
+    layout = None
+    workspace, workspace_note = cm.workspace(target.gpu) if cuda else (0, "")
+    handles = (1 if opts.inference else 2) if cuda and trace.uses_matmul else 0
+    if cuda:  # the caching allocator, simulated: block sizes, segments, what it reserves
+        layout = allocator_layout(trace.initial, trace.events, sizes, persistent=[workspace] * handles,
+                                  spikes=spikes, window=window)
+        sizes = {s: layout.blocks.get(s, n) for s, n in sizes.items()}
     index, _, spike = replay(trace, sizes, spikes, window)
     rows = rows_at(trace, sizes, index)
     in_window = window[0] <= index <= window[1]
@@ -137,12 +142,12 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
     if spike:
         rows[("other", spike_label)] = spike
         modelled[spike_label] = spike
-    if cuda and trace.uses_matmul:
-        hopper = bool(target.gpu and target.gpu.hopper)
-        handles = 1 if opts.inference else 2
-        ws = cm.workspace(hopper) * handles
+    if handles:
+        ws = workspace * handles
         rows[("other", "cuBLAS workspaces (modelled)")] = ws
         modelled["cuBLAS workspaces"] = ws
+        if target.gpu is None and workspace_note:
+            notes.append(workspace_note)
     if in_window:
         for label, n in buffers.items():
             if n:
@@ -157,7 +162,7 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
             name = trace.module.get(s) or "(outside modules)"
             top[name] = top.get(name, 0) + sizes[s]
     top_modules = tuple(sorted(top.items(), key=lambda kv: -kv[1])[:8])
-    reserved = cm.reserved(peak.total) if cuda else peak.total
+    reserved = max(layout.peak_reserved, peak.total) if layout is not None else peak.total
     context = cm.context if cuda else 0
     needed = reserved + context
     capacity = target.capacity
@@ -166,7 +171,8 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
         notes.append(trace.problem)
     if cuda:
         notes.append("CUDA is modelled: tensors are traced on fake CPU tensors with the optimizer CUDA would use; "
-                     "block rounding, workspaces, allocator margin and context are modelled constants")
+                     "PyTorch's caching allocator is simulated (block sizes, segments, reserved memory); cuBLAS and "
+                     "cuDNN workspaces and the CUDA context are modelled constants")
     return Estimate(
         model=model_name,
         description=opts.describe(),
