@@ -1,148 +1,401 @@
-"""The checks that need a CUDA GPU, in one short script (prints everything; exits 0 without CUDA).
+"""Everything about vram_magic that only a CUDA GPU can settle, in one run that prints a PASS/FAIL table per check.
 
-    python benchmarks/gpu_check.py
+    python benchmarks/gpu_check.py                  # on a machine with a CUDA GPU (under 8 minutes on one)
+    python benchmarks/gpu_check.py --wheels DIR     # ... installing missing packages from local wheels only
+    python benchmarks/gpu_check.py --dry-run        # anywhere: its own plumbing, no device step
+    python benchmarks/gpu_check.py --download-wheels DIR   # fetch the wheels a GPU box without an index needs
 
-1. the CUDA-only tests (pytest -m "not slow" on the test files, which skip without CUDA here);
-2. per-cell overhead of %%vram on CUDA, with and without the allocator history (--no-trace);
-3. the cell peak from the allocator's history against the allocator's own peak counter, and proof that the
-   user's max_memory_allocated is left untouched.
-4. ``vram_magic.estimate(device="cuda")`` against ``torch.cuda.max_memory_allocated`` for the model zoo
-   (target within 5 %), one process per model.
+1. **setup**: the project installed from this checkout (``pip install --no-deps -e .``; without a build backend,
+   ``PYTHONPATH``), its dependencies and pytest (from ``--wheels DIR`` if given, else the package index), and a
+   CUDA build of PyTorch if the machine has an NVIDIA driver but PyTorch was built without CUDA;
+2. **GPU tests**: only the ``cuda``-marked tests (``pytest -m cuda``), one table row per check they settle;
+3. **estimate vs CUDA**: ``vram_magic.estimate`` with the detected GPU's constants against
+   ``max_memory_allocated`` and ``max_memory_reserved`` of the same two AdamW steps, per model of
+   ``benchmarks/zoo.py`` (one process each, target 5 %);
+4. **overhead** of a measured cell on a launch-bound model (tiny ops: the worst case), both backends.
+
+``--report FILE`` writes the tables to a file too. The exit status is 1 if any check failed.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import xml.etree.ElementTree as ET
 
-import torch
-
-
-def run_cuda_tests() -> int:
-    print("== CUDA tests")
-    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-rs", "tests/"],
-                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def overhead_on_cuda(repeats: int = 20) -> None:
-    import vram_magic
-
-    print("== %%vram overhead on CUDA (MLP 6 x Linear(4096, 4096), batch 512, AdamW)")
-    layers = []
-    for _ in range(6):
-        layers += [torch.nn.Linear(4096, 4096), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers).cuda()
-    opt = torch.optim.AdamW(model.parameters())
-    x = torch.randn(512, 4096, device="cuda")
-    ns = {"model": model, "opt": opt, "x": x}
-
-    def step() -> None:
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-
-    def measured(sites: bool) -> None:
-        with vram_magic.measure("cuda", namespace=ns, record_sites=sites):
-            step()
-
-    variants = {"plain": step, "measure()": lambda: measured(True),
-                "measure(record_sites=False)": lambda: measured(False)}
-    for fn in variants.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(repeats):
-        for k, fn in variants.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
-    base = statistics.median(times["plain"])
-    print(f"   plain step {base * 1000:.2f} ms")
-    for k in variants:
-        if k != "plain":
-            print(f"   {k:<30} x{statistics.median(times[k]) / base:.3f}")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.join(ROOT, "benchmarks")
+BUDGET_S = 7.5 * 60  # the whole run stays under 8 minutes: steps left when this is spent are skipped
+TARGET = 5.0  # % error of the estimate
+#: import name -> requirement, for what the engine, its magics and the tests import
+NEEDS = {"IPython": "ipython>=8.0", "ipywidgets": "ipywidgets>=7.7", "matplotlib": "matplotlib>=3.5",
+         "pandas": "pandas>=1.5", "pytest": "pytest>=7"}
+#: the checks named for the GPU run, and the tests that settle each
+CHECKS = {
+    "cell peak in block sizes, user's max_memory_allocated untouched": [
+        "test_gpu_peak_in_block_sizes_without_touching_the_users_counter",
+        "test_cuda_cell_peak_without_resetting_the_users_counter"],
+    "user already records history (all / state-only)": ["test_gpu_users_history_is_read_and_left_on",
+                                                        "test_gpu_state_only_recording_is_said"],
+    "a wrapped history buffer": ["test_gpu_wrapped_buffer_is_said"],
+    "recording turned on inside a cell is left on": ["test_gpu_history_turned_on_inside_the_cell_is_left_on"],
+    "cudaMallocAsync backend (subprocess)": ["test_gpu_cuda_malloc_async"],
+    "OOM request size: < 1 MiB, 1-10 MiB, above": ["test_gpu_oom_sizes_from_the_trace"],
+    "--budget restores the fraction (tracker, allocator)": [
+        "test_gpu_budget_puts_the_users_fraction_back",
+        "test_cuda_budget_limits_the_allocator_and_restores_the_fraction"],
+    "%vram, %vram all, default %%vram, measure() create no context": ["test_gpu_looking_creates_no_context"],
+    "first context counted as the cell's": ["test_gpu_first_context_counts_as_the_cells"],
+    "cuda:1 when there are two GPUs": ["test_gpu_second_device"],
+    "before reconciled with the allocator": ["test_gpu_before_is_reconciled_with_the_allocator"],
+    "record_stream: frees count when requested": ["test_gpu_record_stream_frees_count_when_requested"],
+    "%vram --device cuda reconciles with the driver": ["test_cuda_device_now_reconciles_with_the_driver"],
+}
 
 
-def peak_without_reset() -> None:
-    import vram_magic
+class Table:
+    """Rows of (check, result, detail), printed as a fixed-width table."""
 
-    print("== cell peak from the allocator history, user's peak counter untouched")
-    torch.cuda.reset_peak_memory_stats()
-    big = torch.empty(2**28, device="cuda")
-    del big
-    user_peak = torch.cuda.max_memory_allocated()
-    with vram_magic.measure("cuda", namespace={}) as m:
-        a = torch.empty(2**22, device="cuda")
-        b = a * 2
-        del a, b
-    print(f"   user's peak before {user_peak}, after {torch.cuda.max_memory_allocated()} (must be equal)")
-    print(f"   cell peak {m.peak.total} bytes, before {m.before.total}; expected peak-before = {2 * 4 * 2**22}")
-    print(f"   notes: {m.notes}")
+    def __init__(self, title: str, out: list[str]) -> None:
+        self.title, self.rows, self.out = title, [], out
 
+    def add(self, check: str, result: str, detail: str = "") -> None:
+        self.rows.append((check, result, detail))
 
-def estimate_vs_cuda(target: float = 5.0) -> None:
-    """``vram_magic.estimate(device="cuda")`` against ``torch.cuda.max_memory_allocated`` of the same two AdamW
-    steps, for each model of ``benchmarks/zoo.py``; each model runs in its own process so the cuBLAS
-    workspaces and the caching allocator start fresh, as the estimate assumes."""
-    if not torch.cuda.is_available():
-        print("== estimate vs CUDA: no CUDA GPU here, skipped")
-        return
-    from zoo import ZOO
+    @property
+    def failed(self) -> bool:
+        return any(r == "FAIL" for _, r, _ in self.rows)
 
-    print(f"== estimate (device='cuda') vs torch.cuda.max_memory_allocated, AdamW, 2 steps; target ±{target:g} %")
-    print(f"   {'model':<20}{'measured':>14}{'estimate':>14}{'error':>9}{'reserved':>13}{'est. reserved':>15}")
-    worst = 0.0
-    for name in ZOO:
-        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--estimate-one", name],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"   {name:<20} failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
-            continue
-        real, est, reserved, est_reserved = (int(v) for v in done.stdout.split())
-        err = 100.0 * (est - real) / real
-        worst = max(worst, abs(err))
-        print(f"   {name:<20}{real / 2**20:>10.1f} MiB{est / 2**20:>10.1f} MiB{err:>+8.2f}%"
-              f"{reserved / 2**20:>9.1f} MiB{est_reserved / 2**20:>11.1f} MiB")
-    print(f"   worst |error| {worst:.2f} % ({'meets' if worst <= target else 'MISSES'} the {target:g} % target)")
+    def print(self) -> None:
+        width = max([len(c) for c, _, _ in self.rows] + [len("check")])
+        lines = [f"== {self.title}", f"   {'check':<{width}}  {'result':<6}  detail",
+                 f"   {'-' * width}  ------  ------"]
+        for check, result, detail in self.rows:
+            lines.append(f"   {check:<{width}}  {result:<6}  {detail}")
+        text = "\n".join(lines)
+        print(text, flush=True)
+        self.out.append(text)
 
 
-def _estimate_one(name: str) -> None:
+def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout, 1), cwd=ROOT,
+                          env={**os.environ, **(env or {})})
+
+
+def pythonpath_env() -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)}
+
+
+def pip(args: list[str], dry: bool, timeout: float = 300) -> tuple[bool, str]:
+    cmd = [sys.executable, "-m", "pip", *args]
+    if dry:
+        return True, "would run: " + " ".join(cmd[2:])
+    done = run(cmd, timeout)
+    return done.returncode == 0, (done.stderr or done.stdout).strip().splitlines()[-1:][0] if (
+        done.stderr or done.stdout).strip() else ""
+
+
+# --- 1. setup --------------------------------------------------------------------------------------------
+def setup(args: argparse.Namespace, out: list[str]) -> tuple[Table, dict[str, str]]:
+    t = Table("setup", out)
+    env = pythonpath_env()
+    dry = args.dry_run
+    site = None
+    if args.wheels:
+        site = os.path.join(tempfile.gettempdir(), "vram_magic_site")
+    missing = [req for mod, req in NEEDS.items() if importlib.util.find_spec(mod) is None]
+    if missing:
+        if args.wheels:
+            wheels = sorted(os.path.join(args.wheels, f) for f in os.listdir(args.wheels) if f.endswith(".whl"))
+            ok, msg = pip(["install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade",
+                           "--target", site, *wheels], dry)
+            env["PYTHONPATH"] = os.pathsep.join([site, env["PYTHONPATH"]])
+            sys.path.insert(0, site)
+        else:
+            ok, msg = pip(["install", "-q", *missing], dry)
+        t.add("dependencies " + ", ".join(missing), "PASS" if ok else "FAIL", msg)
+    else:
+        t.add("dependencies", "PASS", "ipython, ipywidgets, matplotlib, pandas, pytest importable")
+    try:
+        import torch
+
+        cuda_build = torch.version.cuda is not None
+        t.add("PyTorch", "PASS", f"{torch.__version__}, CUDA {torch.version.cuda}, "
+              f"{torch.cuda.device_count() if cuda_build else 0} GPU(s)")
+    except ImportError:
+        cuda_build = False
+        t.add("PyTorch", "INFO", "not installed")
+    if not cuda_build and shutil.which("nvidia-smi"):  # an NVIDIA driver, but no CUDA build: PyPI's Linux wheel is one
+        ok, msg = pip(["install", "-q", "--upgrade", "torch"], dry, timeout=900)
+        t.add("CUDA build of PyTorch", "PASS" if ok else "FAIL", msg)
+    ok, msg = pip(["install", "-q", "--no-deps", "--no-build-isolation", "-e", ROOT], dry)
+    t.add("project installed from this checkout", "PASS" if ok else "INFO",
+          msg if ok else f"pip could not install it ({msg}): imported through PYTHONPATH")
+    done = run([sys.executable, "-c", "import vram_magic, os; print(os.path.dirname(vram_magic.__file__))"], 120, env)
+    where = done.stdout.strip()
+    ok = done.returncode == 0 and os.path.abspath(where) == os.path.join(ROOT, "vram_magic")
+    t.add("vram_magic imports from this checkout", "PASS" if ok else "FAIL",
+          where if done.returncode == 0 else done.stderr.strip().splitlines()[-1:])
+    return t, env
+
+
+# --- 2. the cuda-marked tests ------------------------------------------------------------------------------
+def cuda_test_files() -> list[str]:
+    files = []
+    for name in sorted(os.listdir(os.path.join(ROOT, "tests"))):
+        if name.startswith("test_") and name.endswith(".py"):
+            with open(os.path.join(ROOT, "tests", name), encoding="utf-8") as f:
+                text = f.read()
+            if "mark.cuda" in text or "needs a CUDA GPU" in text:
+                files.append(os.path.join("tests", name))
+    return files
+
+
+def junit_results(path: str) -> dict[str, tuple[str, str]]:
+    """test name -> (PASS / FAIL / SKIP, first line of the message)."""
+    out: dict[str, tuple[str, str]] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("name", "").split("[")[0]
+        result, detail = "PASS", ""
+        for tag, res in (("failure", "FAIL"), ("error", "FAIL"), ("skipped", "SKIP")):
+            node = case.find(tag)
+            if node is not None:
+                result = res
+                detail = (node.get("message") or "").strip().splitlines()[0][:100] if node.get("message") else ""
+                break
+        prev = out.get(name)
+        if prev is None or prev[0] != "FAIL":
+            out[name] = (result, detail)
+    return out
+
+
+def gpu_tests(env: dict[str, str], out: list[str], timeout: float) -> Table:
+    t = Table("GPU tests (pytest -m cuda)", out)
+    files = cuda_test_files()
+    xml = os.path.join(tempfile.mkdtemp(), "cuda.xml")
+    try:
+        done = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", "-rfs",
+                    f"--junitxml={xml}", *files], timeout, env)
+    except subprocess.TimeoutExpired:
+        t.add("pytest -m cuda", "FAIL", f"did not finish in {timeout:.0f} s")
+        return t
+    tail = done.stdout.strip().splitlines()[-1:] or done.stderr.strip().splitlines()[-1:]
+    if not os.path.exists(xml):
+        t.add("pytest -m cuda", "FAIL", f"exit {done.returncode}: {tail}")
+        return t
+    results = junit_results(xml)
+    seen: set[str] = set()
+    for check, names in CHECKS.items():
+        got = [results[n] for n in names if n in results]
+        seen.update(names)
+        if not got:
+            t.add(check, "FAIL", "its tests were not collected")
+        elif any(r == "FAIL" for r, _ in got):
+            t.add(check, "FAIL", next(d for r, d in got if r == "FAIL"))
+        elif all(r == "SKIP" for r, _ in got):
+            t.add(check, "SKIP", got[0][1])
+        else:
+            t.add(check, "PASS")
+    for name, (result, detail) in sorted(results.items()):
+        if name not in seen:
+            t.add(name, result, detail)
+    t.add("pytest -m cuda (all)", "PASS" if done.returncode in (0, 5) else "FAIL", tail[0] if tail else "")
+    return t
+
+
+# --- 3. estimate vs the real run ---------------------------------------------------------------------------
+def detected_gpu():
+    import torch
+
+    from vram_magic.estimator.gpus import GPU, find_gpu
+
+    name = torch.cuda.get_device_name(0)
+    try:
+        return find_gpu(name)
+    except ValueError:
+        props = torch.cuda.get_device_properties(0)
+        return GPU(name, int(props.total_memory), "detected", 0.0, capability=(props.major, props.minor))
+
+
+def estimate_one(name: str, dry: bool) -> None:
+    """One model in this (fresh) process: the real two steps first, then the estimate; prints a JSON line."""
+    sys.path.insert(0, HERE)
+    import torch
     from zoo import ZOO, train_steps
 
     import vram_magic
 
     build, make_inputs = ZOO[name]
-    est = vram_magic.estimate(build, make_inputs, device="cuda")
-    torch.manual_seed(0)
-    torch.cuda.reset_peak_memory_stats()  # our own process: nobody else's peak counter to spoil
-    base = torch.cuda.memory_allocated()
-    with torch.device("cuda"):
-        model = build()
-    x = make_inputs().cuda()
-    train_steps(model, x, 2)
-    torch.cuda.synchronize()
-    real = torch.cuda.max_memory_allocated() - base
-    print(real, est.peak.total, torch.cuda.max_memory_reserved(), est.reserved)
+    real = reserved = None
+    gpu = None
+    if not dry:
+        torch.manual_seed(0)
+        torch.cuda.reset_peak_memory_stats()  # our own process: nobody else's peak counter to spoil
+        base = torch.cuda.memory_allocated()
+        with torch.device("cuda"):
+            model = build()
+        x = make_inputs().cuda()
+        train_steps(model, x, 2)
+        torch.cuda.synchronize()
+        real = torch.cuda.max_memory_allocated() - base
+        reserved = torch.cuda.max_memory_reserved()
+        gpu = detected_gpu()
+    est = vram_magic.estimate(build, make_inputs, device="cuda", gpu=gpu)
+    print(json.dumps({"real": real, "reserved": reserved, "estimate": est.peak.total, "est_reserved": est.reserved,
+                      "gpu": gpu.name if gpu is not None else None,
+                      "workspace": dict(est.modelled).get("cuBLAS workspaces")}))
 
 
-def main() -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    if len(sys.argv) == 3 and sys.argv[1] == "--estimate-one":
-        _estimate_one(sys.argv[2])
+def estimate_vs_cuda(env: dict[str, str], out: list[str], dry: bool, deadline: float) -> Table:
+    sys.path.insert(0, HERE)
+    from zoo import ZOO
+
+    t = Table(f"estimate vs CUDA: max_memory_allocated / max_memory_reserved, AdamW, 2 steps (target ±{TARGET:g} %)",
+              out)
+    names = list(ZOO)
+    for i, name in enumerate(names):
+        if dry and i > 0:
+            t.add(name, "SKIP", "dry run: one model exercises the plumbing")
+            continue
+        left = deadline - time.monotonic()
+        if left < 20:
+            t.add(name, "SKIP", "out of time")
+            continue
+        cmd = [sys.executable, os.path.abspath(__file__), "--estimate-one", name] + (["--dry-run"] if dry else [])
+        try:
+            done = run(cmd, min(left, 180), env)
+        except subprocess.TimeoutExpired:
+            t.add(name, "FAIL", "timed out")
+            continue
+        if done.returncode != 0:
+            t.add(name, "FAIL", (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:100])
+            continue
+        r = json.loads(done.stdout.strip().splitlines()[-1])
+        mib = 2**20
+        if r["real"] is None:
+            t.add(name, "SKIP", f"dry run: estimate {r['estimate'] / mib:.1f} MiB, reserved "
+                  f"{r['est_reserved'] / mib:.1f} MiB (no device run)")
+            continue
+        err = 100.0 * (r["estimate"] - r["real"]) / r["real"]
+        err_r = 100.0 * (r["est_reserved"] - r["reserved"]) / r["reserved"]
+        ok = abs(err) <= TARGET and abs(err_r) <= TARGET
+        t.add(name, "PASS" if ok else "FAIL",
+              f"allocated {r['real'] / mib:.1f} vs {r['estimate'] / mib:.1f} MiB ({err:+.2f} %), reserved "
+              f"{r['reserved'] / mib:.1f} vs {r['est_reserved'] / mib:.1f} MiB ({err_r:+.2f} %), {r['gpu']}, "
+              f"cuBLAS {(r['workspace'] or 0) / mib:.3f} MiB")
+    return t
+
+
+# --- 4. overhead on a launch-bound model ---------------------------------------------------------------------
+def overhead(out: list[str], dry: bool) -> Table:
+    t = Table("overhead of a measured cell, launch-bound model (4 x Linear(256, 256), batch 32, AdamW, 100 steps)",
+              out)
+    if dry:
+        t.add("plain / tracker / allocator", "SKIP", "dry run")
+        return t
+    import torch
+
+    import vram_magic
+
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(256, 256), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(32, 256, device="cuda")
+    ns = {"model": model, "opt": opt, "x": x}
+
+    def steps() -> None:
+        for _ in range(100):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+
+    def measured(backend: str) -> None:
+        with vram_magic.measure("cuda", namespace=ns, backend=backend):
+            steps()
+
+    variants = {"plain": steps, "tracker": lambda: measured("tracker"), "allocator": lambda: measured("allocator")}
+    for fn in variants.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(5):
+        for k, fn in variants.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    base = statistics.median(times["plain"])
+    t.add("plain", "INFO", f"{base * 1000:.1f} ms for 100 steps")
+    for k in ("tracker", "allocator"):
+        t.add(f"measure(backend={k!r})", "INFO", f"x{statistics.median(times[k]) / base:.2f}")
+    return t
+
+
+def download_wheels(target: str) -> int:
+    """Wheels for a Python 3.12 x86-64 Linux box with PyTorch but no package index (see docs/cuda.md)."""
+    os.makedirs(target, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--python-version", "3.12",
+           "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+           "--platform", "manylinux2014_x86_64", "--platform", "any", "-d", target, "ipython>=8.0", "ipywidgets>=7.7"]
+    print(" ".join(cmd))
+    return subprocess.call(cmd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="exercise the script's own plumbing; no device step")
+    p.add_argument("--wheels", metavar="DIR", help="install missing packages from these wheels only")
+    p.add_argument("--download-wheels", metavar="DIR", help="download the wheels a GPU box needs, then exit")
+    p.add_argument("--report", metavar="FILE", help="also write the tables to FILE")
+    p.add_argument("--estimate-one", metavar="MODEL", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    sys.path.insert(0, ROOT)  # this checkout's vram_magic, installed or not
+    if args.estimate_one:
+        estimate_one(args.estimate_one, args.dry_run)
         return 0
-    print(f"torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")
-    if not torch.cuda.is_available():
-        print("no CUDA GPU here: nothing to check")
-        return 0
-    print(f"device: {torch.cuda.get_device_name(0)}, {torch.cuda.get_device_properties(0).total_memory} bytes")
-    rc = run_cuda_tests()
-    overhead_on_cuda()
-    peak_without_reset()
-    estimate_vs_cuda()
-    return rc
+    if args.download_wheels:
+        return download_wheels(args.download_wheels)
+    start = time.monotonic()
+    deadline = start + BUDGET_S
+    out: list[str] = []
+    tables = []
+    t, env = setup(args, out)
+    t.print()
+    tables.append(t)
+    import torch
+
+    has_gpu = torch.cuda.is_available()
+    if not has_gpu and not args.dry_run:
+        print("no CUDA GPU here: the device steps need one (use --dry-run to check the script itself)")
+        return 1
+    tables.append(gpu_tests(env, out, max(deadline - time.monotonic() - 150, 60)))
+    tables[-1].print()
+    if has_gpu and not args.dry_run:
+        props = torch.cuda.get_device_properties(0)
+        print(f"device: {props.name} (compute capability {props.major}.{props.minor}), "
+              f"{props.total_memory / 2**30:.1f} GiB, torch {torch.__version__}", flush=True)
+    tables.append(estimate_vs_cuda(env, out, args.dry_run or not has_gpu, deadline))
+    tables[-1].print()
+    tables.append(overhead(out, args.dry_run or not has_gpu))
+    tables[-1].print()
+    failed = [t.title for t in tables if t.failed]
+    summary = f"== {'FAIL: ' + '; '.join(failed) if failed else 'all checks passed or skipped'} " \
+              f"({time.monotonic() - start:.0f} s{', dry run' if args.dry_run else ''})"
+    print(summary)
+    out.append(summary)
+    if args.report:
+        with open(args.report, "w", encoding="utf-8") as f:
+            f.write("\n\n".join(out) + "\n")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
