@@ -324,6 +324,13 @@ class CudaCell:
 
     def start(self) -> CudaCell:
         self._running = True
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()  # whatever was changed before the failure is put back
+            raise
+
+    def _start(self) -> CudaCell:
         self.backend = allocator_backend()
         count = torch.cuda.device_count()
         if self.budget is not None and not initialized():
