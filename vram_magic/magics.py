@@ -17,7 +17,7 @@ from .units import parse_size
 
 _LINE_HELP = (
     "%vram                 memory of the device now\n"
-    "%vram all             memory of the CPU and of every visible GPU now\n"
+    "%vram all             memory of the CPU and of every visible GPU now (never initialises CUDA)\n"
     "%vram --device DEV    memory of one device now (cpu, cuda, cuda:N)\n"
     "%vram history         one row per measured cell (pandas DataFrame)\n"
     "%vram diff [A B]      compare two measured cells (default: the last two)\n"
