@@ -157,7 +157,11 @@ class _Walker:
     # --- assign (first claim wins: the order is the priority) -----------------------------------
     def claim(self, t: Any, category: str, label: str, holder: str | None = None) -> int | None:
         key = None
-        for storage, kind in storage_parts(t):
+        parts = storage_parts(t)
+        if parts is None:
+            self._unread(holder or label, RuntimeError("a tensor that raises when read"))
+            return None
+        for storage, kind in parts:
             key = self._own(storage, category, f"{label} ({kind})" if kind else label, holder)
         return key
 

@@ -15,9 +15,10 @@ import torch
 _MAX_DEPTH = 4
 
 
-def storage_parts(t: Any, depth: int = 0) -> list[tuple[Any, str]]:
+def storage_parts(t: Any, depth: int = 0) -> list[tuple[Any, str]] | None:
     """``[(untyped storage, kind), ...]``: the storages holding ``t``'s memory; ``kind`` names a subclass's
-    part (``"DTensor"``, ``"AffineQuantizedTensor"``) and is "" for a plain tensor."""
+    part (``"DTensor"``, ``"AffineQuantizedTensor"``) and is "" for a plain tensor. ``None``: the tensor could
+    not be read (a subclass that raises on access)."""
     try:
         cls = type(t)
         if cls is not torch.Tensor and cls is not torch.nn.Parameter and depth < _MAX_DEPTH \
@@ -27,22 +28,22 @@ def storage_parts(t: Any, depth: int = 0) -> list[tuple[Any, str]]:
             for name in names:
                 inner = getattr(t, name, None)
                 if isinstance(inner, torch.Tensor):
-                    out.extend((s, kind or cls.__name__) for s, kind in storage_parts(inner, depth + 1))
+                    out.extend((s, kind or cls.__name__) for s, kind in storage_parts(inner, depth + 1) or ())
             return out
         layout = t.layout
         if layout == torch.strided:
             return [(t.untyped_storage(), "")]
         if layout == torch.sparse_coo:
-            return [p for part in (t._indices(), t._values()) for p in storage_parts(part, depth + 1)]
-        if layout in (torch.sparse_csr, torch.sparse_bsr):
+            parts = (t._indices(), t._values())
+        elif layout in (torch.sparse_csr, torch.sparse_bsr):
             parts = (t.crow_indices(), t.col_indices(), t.values())
-            return [p for part in parts for p in storage_parts(part, depth + 1)]
-        if layout in (torch.sparse_csc, torch.sparse_bsc):
+        elif layout in (torch.sparse_csc, torch.sparse_bsc):
             parts = (t.ccol_indices(), t.row_indices(), t.values())
-            return [p for part in parts for p in storage_parts(part, depth + 1)]
-    except Exception:  # a subclass that raises on access, a storage-less tensor: nothing we can count
-        return []
-    return []
+        else:
+            return []  # nested and other storage-less layouts
+        return [p for part in parts for p in storage_parts(part, depth + 1) or ()]
+    except Exception:  # a subclass that raises on access
+        return None
 
 
 def is_wrapper(t: Any) -> bool:

@@ -248,20 +248,27 @@ class Tracker(TorchDispatchMode):
         raise torch.OutOfMemoryError(msg)
 
     def _name_locals(self, frame: Any) -> None:
-        """Which local variables of the user's frames hold memory at an OOM (names and serials only)."""
+        """Which local variables of the user's frames hold memory at an OOM (names and serials only). Never
+        raises: the OOM is what the user must see, whatever their locals hold."""
         from .frames import is_user_code
+        from .tensors import storage_parts
 
-        while frame is not None:
-            if is_user_code(frame.f_code):
-                func = frame.f_code.co_name
-                for name, value in list(frame.f_locals.items()):
-                    if isinstance(value, torch.Tensor) and value.layout == torch.strided:
-                        entry = self.registry.get(id(value.untyped_storage()))
-                        if entry is not None and entry.serial not in self.oom_holders:
-                            # module-level code: the variable is a global, named as such
-                            label = name if func == "<module>" else f"{name} in {func}()"
-                            self.oom_holders[entry.serial] = label
-            frame = frame.f_back
+        try:
+            while frame is not None:
+                if is_user_code(frame.f_code):
+                    func = frame.f_code.co_name
+                    for name, value in list(frame.f_locals.items()):
+                        if not issubclass(type(value), torch.Tensor):  # type(), not isinstance: no __class__
+                            continue
+                        for storage, _ in storage_parts(value) or ():
+                            entry = self.registry.get(id(storage))
+                            if entry is not None and entry.serial not in self.oom_holders:
+                                # module-level code: the variable is a global, named as such
+                                label = name if func == "<module>" else f"{name} in {func}()"
+                                self.oom_holders[entry.serial] = label
+                frame = frame.f_back
+        except Exception:
+            pass
 
     def _late(self, storage: Any) -> None:
         """A storage alive before the cell that no scan found (seen as an op's input/alias)."""
@@ -291,6 +298,13 @@ class Tracker(TorchDispatchMode):
             return  # a wrapper subclass (DTensor, quantized tensors): no memory of its own; its parts are counted
         if (not t.is_cpu) if self._cpu else (t.device != self._torch_device):
             self.registry.add(storage)  # another device: known for its own reports, not counted here
+            return
+        if func in _FRESH:  # torch.tensor, torch.from_numpy: memory made outside dispatch, maybe shared
+            entry = self.registry.add(storage)  # size 0 when it shares a live storage's memory
+            if entry.size:
+                if self.budget is not None and self.current + entry.size > self.budget:
+                    self._raise_oom(entry.size, depth=3)
+                self._record(entry, depth=3)
             return
         aliases = self._aliasing.get(func)
         if aliases is None:
