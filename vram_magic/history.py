@@ -1,13 +1,31 @@
-"""The session's measured cells as tables (pandas), and export to CSV/JSON."""
+"""The session's measured cells as tables (pandas), and export to CSV/JSON.
+
+The frames hold bytes (numbers to compute with); they *display* in binary units, like a pandas ``Styler``
+shows formatted numbers while the data stays raw. Frames derived from them (a selection, arithmetic) are
+plain DataFrames, so a value that is no longer a byte count is never printed as one.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .report import CATEGORIES, CellReport
+from .units import format_bytes
 
 if TYPE_CHECKING:
     import pandas as pd
+
+
+def _signed(n: Any) -> str:
+    return format_bytes(n, signed=True)
+
+
+def _with_formats(frame: pd.DataFrame, formats: dict[str, Any]) -> pd.DataFrame:
+    from .render.frames import BytesFrame
+
+    out = BytesFrame(frame)
+    object.__setattr__(out, "_formats", formats)
+    return out
 
 
 def history_frame(reports: list[CellReport]) -> pd.DataFrame:
@@ -22,7 +40,10 @@ def history_frame(reports: list[CellReport]) -> pd.DataFrame:
                     "wall_time_s": round(r.wall_time, 4), "oom": r.oom is not None, "error": r.error or ""})
         rows.append(row)
     columns = ["cell", "device", *CATEGORIES, "total", "peak", "delta", "wall_time_s", "oom", "error"]
-    return pd.DataFrame(rows, columns=columns)
+    frame = pd.DataFrame(rows, columns=columns)
+    formats: dict[str, Any] = {c: format_bytes for c in (*CATEGORIES, "total", "peak")}
+    formats["delta"] = _signed
+    return _with_formats(frame, formats)
 
 
 def diff_frame(a: CellReport, b: CellReport) -> pd.DataFrame:
@@ -32,12 +53,16 @@ def diff_frame(a: CellReport, b: CellReport) -> pd.DataFrame:
     delta = b.after - a.after
     data = {c: [a.after[c], b.after[c], delta[c]] for c in CATEGORIES}
     data["total"] = [a.after.total, b.after.total, delta.total]
-    return pd.DataFrame(data, index=[f"after cell {a.cell}", f"after cell {b.cell}", "change"])
+    frame = pd.DataFrame(data, index=[f"after cell {a.cell}", f"after cell {b.cell}", "change"])
+    return _with_formats(frame, {"__rows__": {frame.index[0]: format_bytes, frame.index[1]: format_bytes,
+                                              "change": _signed}})
 
 
 def export_history(reports: list[CellReport], path: str) -> str:
     """Write the history as ``.csv`` or ``.json`` (by the file's extension)."""
-    frame = history_frame(reports)
+    import pandas as pd
+
+    frame = pd.DataFrame(history_frame(reports))
     if path.endswith(".csv"):
         frame.to_csv(path, index=False)
     elif path.endswith(".json"):

@@ -1,12 +1,13 @@
 // Open nbconvert HTML pages in headless Debian chromium with every non-local request blocked, and check that
-// each widget output was rendered by the widget manager: a %%vram report (.vram-widget: before, after and peak
-// bars) or a %vram_estimate one (.vram-estimate-widget: at least one bar), whose segments all have a visible size.
+// every vram_magic output reads there with no kernel and no widget state:
+//   - a plain page: each report (.vram-report) is visible, its bar segments are drawn as wide as their bytes say,
+//     and no output shows escaped markup;
+//   - a page converted with --sanitize-html (name contains "sanitized"; every style attribute stripped, only a
+//     few tags kept): each report's rows show their text bars (P G O A letters, coloured by the page's ANSI
+//     classes), and no output shows escaped markup either.
 // Saves a full-page screenshot of each page.
 //
-// usage: node check.mjs BASE_URL OUT_DIR PAGE.html [PAGE.html ...]
-//   BASE_URL  e.g. http://127.0.0.1:8765/ (a local server of the folder with the pages, embed-amd.js, require.js)
-//   OUT_DIR   where the screenshots go
-// env: CHROMIUM (default /usr/bin/chromium)
+// usage: node check.mjs BASE_URL OUT_DIR PAGE.html [PAGE.html ...]   env: CHROMIUM (default /usr/bin/chromium)
 
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -19,35 +20,20 @@ if (!base || !outDir || pages.length === 0) {
   process.exit(2);
 }
 
-const LOCAL_HOSTS = new Set(["127.0.0.1", "localhost", "[::1]"]);
-
-function isLocal(url) {
-  const u = new URL(url);
-  if (u.protocol === "data:" || u.protocol === "blob:" || u.protocol === "about:") return true;
-  if (u.protocol === "file:") return true;
-  return LOCAL_HOSTS.has(u.hostname);
-}
-
 const profile = mkdtempSync(join(tmpdir(), "vram-chromium-"));
 const context = await chromium.launchPersistentContext(profile, {
   executablePath: process.env.CHROMIUM || "/usr/bin/chromium",
   headless: true,
   viewport: { width: 1100, height: 900 },
-  args: [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-  ],
+  args: ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", "--no-first-run"],
 });
-
+const local = new URL(base).host;
 const blocked = new Set();
 await context.route("**/*", (route) => {
-  const url = route.request().url();
-  if (isLocal(url)) return route.continue();
-  blocked.add(new URL(url).origin);
+  const u = new URL(route.request().url());
+  if (u.host === local || ["data:", "blob:", "about:", "file:"].includes(u.protocol)) return route.continue();
+  blocked.add(u.origin);
   return route.abort("blockedbyclient");
 });
 
@@ -58,65 +44,61 @@ for (const name of pages) {
   page.on("pageerror", (err) => errors.push(String(err)));
   const started = Date.now();
   await page.goto(new URL(name, base).href, { waitUntil: "load" });
-
-  // nbconvert writes one <script type="application/vnd.jupyter.widget-view+json"> per widget output; the widget
-  // manager replaces each with the rendered view.
-  const expected = await page.locator('script[type="application/vnd.jupyter.widget-view+json"]').count();
-  let result;
-  try {
-    await page.waitForFunction(
-      (n) => document.querySelectorAll(".vram-widget, .vram-estimate-widget").length >= n,
-      expected,
-      { timeout: 20000 },
-    );
-    result = await page.evaluate(() => {
-      const widgets = [...document.querySelectorAll(".vram-widget, .vram-estimate-widget")];
-      return widgets.map((w) => {
-        const kind = w.classList.contains("vram-widget") ? "report" : "estimate";
-        const bars = [...w.querySelectorAll(".vram-bar")];
-        const segs = [...w.querySelectorAll(".vram-seg")];
-        // Each segment is drawn as wide as its share says (within a pixel and a half); a share too small to
-        // see may collapse to nothing, but a visible one must be there.
-        const visible = segs.filter((s) => {
-          const r = s.getBoundingClientRect();
+  await page.waitForTimeout(300);
+  const sanitized = name.includes("sanitized");
+  const result = await page.evaluate(() => {
+    const visible = (el) => { const r = el.getBoundingClientRect(); return r.width > 0 && r.height > 0; };
+    const reports = [...document.querySelectorAll(".vram-report")];
+    const outputs = [...document.querySelectorAll(".jp-OutputArea-output, .output_area")];
+    // escaped markup shows as text like "<div" in an output
+    const escaped = outputs.map((o) => o.innerText).filter((t) => /<\/?(div|span|table|thead|tbody|tr|th|td|svg|style|p|br)\b/.test(t));
+    const body = getComputedStyle(document.body).color;
+    return {
+      reports: reports.map((r) => {
+        const bars = [...r.querySelectorAll(".vram-bar")];
+        const segs = [...r.querySelectorAll(".vram-seg")].map((s) => {
           const bar = s.closest(".vram-bar").getBoundingClientRect();
-          const want = (parseFloat(s.style.width) / 100) * bar.width;
-          return r.height > 0 && Math.abs(r.width - want) <= 1.5 && (want < 1 || r.width > 0);
+          const want = (Number(s.dataset.bytes) / Number(s.closest(".vram-bar").dataset.scale)) * bar.width;
+          return { want, width: s.getBoundingClientRect().width, clipped: want > bar.width };
         });
-        const box = w.getBoundingClientRect();
-        return { kind, bars: bars.length, segs: segs.length, visible: visible.length, width: box.width, height: box.height };
-      });
-    });
-  } catch (err) {
-    result = null;
-    errors.push(`widgets did not render: ${err.message.split("\n")[0]}`);
-  }
-
+        const textbars = [...r.querySelectorAll(".vram-textbar")];
+        const letters = textbars.filter(visible).map((t) => t.innerText.trim());
+        const colours = new Set([...r.querySelectorAll(".vram-textbar span")].filter(visible)
+          .map((s) => getComputedStyle(s).color).filter((c) => c !== body));
+        return { visible: visible(r), bars: bars.length, barsVisible: bars.filter(visible).length, segs,
+                 textbars: textbars.length, letters, colours: colours.size, title: r.innerText.split("\n")[0] };
+      }),
+      escaped,
+    };
+  });
   const problems = [...errors];
-  if (expected === 0) problems.push("no widget views in the page (was the notebook executed with widget state?)");
-  if (result) {
-    if (result.length !== expected) problems.push(`${result.length} rendered widgets for ${expected} widget views`);
-    result.forEach((w, i) => {
-      if (w.kind === "report" && w.bars !== 3) problems.push(`widget ${i}: ${w.bars} .vram-bar rows, expected 3`);
-      if (w.kind === "estimate" && w.bars < 1) problems.push(`widget ${i}: an estimate without a .vram-bar`);
-      if (w.width < 100 || w.height < 40) problems.push(`widget ${i}: box ${w.width}x${w.height} px`);
-      if (w.visible !== w.segs) problems.push(`widget ${i}: ${w.segs - w.visible} of ${w.segs} segments not drawn to size`);
-    });
-    // Every measured cell that allocated something shows at least one coloured segment.
-    if (result.length && result.every((w) => w.segs === 0)) problems.push("no .vram-seg segments anywhere");
-  }
-
+  if (!result.reports.length) problems.push("no vram_magic reports in the page");
+  if (result.escaped.length) problems.push(`${result.escaped.length} output(s) show escaped markup: ${result.escaped[0].slice(0, 80)}`);
+  let drawn = 0;
+  result.reports.forEach((r, i) => {
+    if (!r.visible) problems.push(`report ${i} (${r.title}) is not visible`);
+    if (sanitized) {
+      const rows = r.textbars;
+      const shown = r.letters.filter((t) => /^\|[PGOA. x]{40}\|$/.test(t));
+      if (rows && shown.length !== rows) problems.push(`report ${i} (${r.title}): ${shown.length} of ${rows} text bars show`);
+      drawn += shown.length;
+    } else {
+      if (r.bars && r.barsVisible !== r.bars) problems.push(`report ${i}: ${r.bars - r.barsVisible} bars not drawn`);
+      const off = r.segs.filter((s) => !s.clipped && Math.abs(s.width - s.want) > 1.5);
+      if (off.length) problems.push(`report ${i} (${r.title}): ${off.length} segments not drawn to size`);
+      drawn += r.segs.filter((s) => s.width >= 1).length;
+    }
+  });
+  if (sanitized && !result.reports.some((r) => r.colours >= 2)) problems.push("text bars are not coloured by the page's classes");
   const shot = join(outDir, name.replace(/\.html$/, ".png"));
   await page.screenshot({ path: shot, fullPage: true });
-  const segs = result ? result.reduce((a, w) => a + w.visible, 0) : 0;
   const ms = Date.now() - started;
   if (problems.length) {
     failures += 1;
     console.log(`FAIL ${name}: ${problems.join("; ")} (screenshot ${shot})`);
   } else {
-    const kinds = result.reduce((acc, w) => ({ ...acc, [w.kind]: (acc[w.kind] || 0) + 1 }), {});
-    const counts = Object.entries(kinds).map(([k, n]) => `${n} ${k}`).join(", ");
-    console.log(`ok   ${name}: ${expected} widgets rendered (${counts}), ${segs} bar segments drawn to size, ${ms} ms`);
+    const what = sanitized ? "text bars shown" : "bar segments drawn to size";
+    console.log(`ok   ${name}: ${result.reports.length} reports, ${drawn} ${what}, no escaped markup, ${ms} ms`);
   }
   await page.close();
 }

@@ -1,62 +1,20 @@
-"""Text and HTML of an estimate: pure functions of the result."""
+"""Text and HTML of an estimate: pure functions of the result.
+
+The HTML uses the same bars, scale and theme-aware styles as ``%%vram`` reports (``vram_magic.render``): the
+GPU's capacity (or the budget) is a marker inside the bar area when the step fills enough of it, an estimate
+that needs little of a large GPU is drawn zoomed in with its share ("3.4 % of T4"), and one that does not fit
+shows its bar running past the marker by the amount it is short.
+"""
 
 from __future__ import annotations
 
 import html
 
-from ..render import COLORS
-from ..report import CATEGORIES, LABELS, Breakdown
+from ..render.bars import BarRow, Cell, Extra, bars_html, grid_html, nbsp_sizes, scale_for, values_html, zoom_note
+from ..render.text import bar, legend, table
+from ..render.theme import BAD, GOOD, MUTED, NUM, RESERVE, ROOT, SMALL
 from ..units import format_bytes
 from .result import Estimate, Strategy
-
-_LETTERS = {"parameters": "P", "gradients": "G", "optimizer_state": "O", "activations": "A", "other": "."}
-_SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
-          "other": "other"}
-
-
-def table(rows: list[tuple[str, Breakdown]]) -> str:
-    """Bytes per category, one row per breakdown, with the total."""
-    head = f"{'':<12}" + "".join(f"{_SHORT[c]:>11}" for c in CATEGORIES) + f"{'total':>11}"
-    lines = [head]
-    for name, b in rows:
-        lines.append(f"{name:<12}" + "".join(f"{format_bytes(b[c]):>11}" for c in CATEGORIES)
-                     + f"{format_bytes(b.total):>11}")
-    return "\n".join(lines)
-
-
-def bar(b: Breakdown, scale: int, width: int = 40) -> str:
-    """A bar of letters, one per category, ``width`` characters for ``scale`` bytes."""
-    out = "".join(_LETTERS[c] * round(width * b[c] / max(scale, 1)) for c in CATEGORIES)[:width]
-    return out.ljust(width)
-
-
-def bars_html(rows: list[tuple[str, Breakdown]], scale: int, capacity: int | None) -> str:
-    out = []
-    for name, b in rows:
-        segs = "".join(
-            f'<div title="{LABELS[c]}: {format_bytes(b[c])}" style="width:{100.0 * b[c] / scale:.3f}%;'
-            f'background:{COLORS[c]};height:100%;display:inline-block"></div>' for c in CATEGORIES if b[c] > 0)
-        marker = ""
-        if capacity:
-            left = min(100.0 * capacity / scale, 100.0)
-            marker = (f'<div title="capacity {format_bytes(capacity)}" style="position:absolute;left:{left:.3f}%;'
-                      'top:-2px;bottom:-2px;border-left:2px dashed currentColor"></div>')
-        out.append(
-            '<div style="display:flex;align-items:center;margin:2px 0;padding-right:1em">'
-            f'<div style="min-width:4.5em;font-weight:bold;white-space:nowrap">{html.escape(name)}</div>'
-            '<div style="min-width:6.5em;padding-right:.6em;text-align:right;font-family:monospace;'
-            f'white-space:nowrap">{format_bytes(b.total)}</div>'
-            '<div style="position:relative;flex:1;min-width:0;height:18px;background:var(--jp-layout-color2,#f3f3f3);'
-            f'white-space:nowrap;overflow:hidden;font-size:0">{segs}{marker}</div></div>')
-    return "".join(out)
-
-
-def legend_html(b: Breakdown) -> str:
-    items = "".join(
-        f'<span style="margin-right:1em"><span style="display:inline-block;width:.9em;height:.9em;'
-        f'background:{COLORS[c]};vertical-align:middle"></span> {LABELS[c]} {format_bytes(b[c])}</span>'
-        for c in CATEGORIES)
-    return f'<div style="font-size:85%;margin:4px 0">{items}</div>'
 
 
 def _title(est: Estimate) -> str:
@@ -83,6 +41,14 @@ def _flops(n: float) -> str:
     return f"{n:.0f} FLOP"
 
 
+def module_path(est: Estimate, name: str) -> str:
+    """A module as it is written in code: ``model.1``, ``model.encoder.layers.0`` (the estimate's model name
+    first, so a child index never reads as a number)."""
+    if not name or name.startswith("("):
+        return name
+    return f"{est.model}.{name}" if est.model else name
+
+
 def _traced_line(est: Estimate) -> str:
     modelled = ", ".join(f"{label} {format_bytes(n)}" for label, n in est.modelled)
     line = f"traced {format_bytes(est.traced)} (every tensor of the step on fake tensors)"
@@ -94,6 +60,21 @@ def _traced_line(est: Estimate) -> str:
     return line
 
 
+def _sorted(rows: tuple[Strategy, ...]) -> list[Strategy]:
+    """The baseline first, then the strategies by the memory they save, largest first."""
+    if not rows:
+        return []
+    return [rows[0], *sorted(rows[1:], key=lambda r: r.saving)]
+
+
+def _saves(r: Strategy) -> str:
+    if r.saving < 0:
+        return format_bytes(-r.saving)
+    if r.saving > 0:
+        return f"costs {format_bytes(r.saving)}"
+    return "±0"
+
+
 def estimate_text(est: Estimate) -> str:
     lines = [_title(est)]
     if est.partial:
@@ -101,14 +82,13 @@ def estimate_text(est: Estimate) -> str:
     scale = max(est.capacity or 0, est.peak.total, 1)
     lines.append(table([("peak", est.peak), ("after fwd", est.after_forward)]))
     lines.append(f"  peak   |{bar(est.peak, scale)}| {format_bytes(est.peak.total)}")
-    lines.append("  P parameters  G gradients  O optimizer state  A activations  . other")
+    lines.append(legend())
     lines.append("  " + est.verdict())
     lines.append("  " + _traced_line(est))
-    if est.loss:
-        lines.append(f"  loss: {est.loss}")
+    lines.extend(f"  {line}" for line in est.summary_lines())
     if est.top_modules:
         lines.append("  largest activations after the forward: " + ", ".join(
-            f"{name} {format_bytes(n)}" for name, n in est.top_modules[:5]))
+            f"{module_path(est, name)} {format_bytes(n)}" for name, n in est.top_modules[:5]))
     if est.flops:
         fwd, bwd = _flops(est.flops["forward"]), _flops(est.flops["backward"])
         lines.append(f"  compute per optimizer step: {_flops(est.total_flops)} (forward {fwd}, backward {bwd})")
@@ -125,58 +105,98 @@ def estimate_text(est: Estimate) -> str:
 
 
 def strategies_text(rows: tuple[Strategy, ...]) -> str:
-    out = ["  what if                                     peak     needed     saving  compute  fits"]
-    for r in rows:
+    out = ["  what if                                     peak     needed      saves  compute  fits"]
+    for r in _sorted(rows):
         fits = "" if r.fits is None else ("yes" if r.fits else "no")
         out.append(f"  {r.name[:38]:<38}{format_bytes(r.peak):>11}{format_bytes(r.needed):>11}"
-                   f"{format_bytes(r.saving, signed=True):>11}   ×{r.compute:<5.2f} {fits}")
+                   f"{_saves(r):>11}   ×{r.compute:<5.2f} {fits}")
     return "\n".join(out)
 
 
+def _rows(est: Estimate) -> list[BarRow]:
+    rows = [BarRow("peak", est.peak)]
+    extra = est.needed - est.peak.total
+    if extra > 0:
+        label = "allocator reserve and CUDA context" if est.device == "cuda" else "reserve"
+        note = ""
+        if est.capacity and est.needed > est.capacity:
+            where = est.gpu or "the budget"
+            note = f"{format_bytes(est.needed - est.capacity)} over {where}"
+        rows.append(BarRow("needed", est.peak, extras=(Extra(label, extra, RESERVE, "vram-reserve"),), note=note))
+    elif est.capacity and est.needed > est.capacity:
+        rows[0] = BarRow("peak", est.peak, note=f"{format_bytes(est.needed - est.capacity)} over "
+                                                   f"{est.gpu or 'the budget'}")
+    rows.append(BarRow("after fwd", est.after_forward))
+    return rows
+
+
 def estimate_html(est: Estimate) -> str:
-    scale = max(est.capacity or 0, est.peak.total, est.needed, 1)
-    color = "#2e7d32" if est.fits else ("#b22222" if est.fits is False else "#333")
-    parts = [
-        '<div class="vram-estimate" style="font-family:sans-serif;max-width:56em">',
-        f'<div style="font-weight:bold">{html.escape(_title(est))}</div>',
-    ]
+    rows = _rows(est)
+    label = est.gpu or "budget"
+    scale = scale_for([r.length for r in rows], est.capacity, capacity_label=label)
+    verdict_style = GOOD if est.fits else (BAD if est.fits is False else "")
+    mark = "✔ " if est.fits else ("✘ " if est.fits is False else "")
+    parts = [f'<div class="vram-report vram-estimate" style="{ROOT}">',
+             f'<div class="vram-title" style="font-weight:bold;margin-bottom:2px">{html.escape(_title(est))}</div>']
     if est.partial:
-        parts.append(f'<div style="color:#b22222">PARTIAL: {html.escape(est.problem or "")}</div>')
-    parts.append(bars_html([("peak", est.peak), ("after fwd", est.after_forward)], scale, est.capacity))
-    parts.append(legend_html(est.peak))
-    parts.append(f'<div style="color:{color};font-weight:bold">{html.escape(est.verdict())}</div>')
-    parts.append(f'<div style="font-size:85%;color:#555">{html.escape(_traced_line(est))}</div>')
-    if est.loss:
-        parts.append(f'<div style="font-size:85%">loss: {html.escape(est.loss)}</div>')
+        parts.append(f'<div class="vram-partial" style="{BAD}"><b>partial</b>: {html.escape(est.problem or "")}'
+                     "</div>")
+    parts.append(bars_html(rows, scale))
+    parts.append(zoom_note(scale, est.needed, est.gpu))
+    parts.append(f'<div class="vram-verdict" style="{verdict_style};font-weight:bold">{mark}'
+                 f"{html.escape(est.verdict())}</div>")
+    parts.append(values_html([("peak", est.peak), ("after fwd", est.after_forward)]))
+    notes = [f'<div style="{MUTED}">{html.escape(_traced_line(est))}</div>']
+    notes += [f"<div>{html.escape(line)}</div>" for line in est.summary_lines()]
     if est.top_modules:
-        parts.append('<div style="font-size:85%">largest activations after the forward: ' + ", ".join(
-            f"<code>{html.escape(n)}</code> {format_bytes(b)}" for n, b in est.top_modules[:5]) + "</div>")
+        notes.append("<div>largest activations after the forward: " + ", ".join(
+            f"<code>{html.escape(module_path(est, n))}</code> {format_bytes(b)}" for n, b in est.top_modules[:5])
+            + "</div>")
     if est.flops:
-        parts.append(f'<div style="font-size:85%">compute per optimizer step: {_flops(est.total_flops)}</div>')
+        notes.append(f"<div>compute per optimizer step: {_flops(est.total_flops)} (forward "
+                     f"{_flops(est.flops['forward'])}, backward {_flops(est.flops['backward'])})</div>")
     if est.max_batch is not None:
-        parts.append(f"<div><b>largest batch that fits: {est.max_batch}</b></div>")
+        notes.append(f"<div><b>largest batch that fits: {est.max_batch}</b></div>")
     if est.max_seq is not None:
-        parts.append(f"<div><b>longest sequence that fits: {est.max_seq}</b></div>")
+        notes.append(f"<div><b>longest sequence that fits: {est.max_seq}</b></div>")
+    parts.append(f'<div class="vram-notes" style="{SMALL}">{"".join(notes)}</div>')
     if est.strategies:
         parts.append(strategies_html(est.strategies))
     for note in est.notes:
         if note != est.problem:
-            parts.append(f'<div style="font-size:85%;color:#666">note: {html.escape(note)}</div>')
+            parts.append(f'<div class="vram-note" style="{SMALL};{MUTED}">note: {html.escape(note)}</div>')
     parts.append("</div>")
-    return "".join(parts)
+    return nbsp_sizes("".join(parts))
 
 
 def strategies_html(rows: tuple[Strategy, ...]) -> str:
-    head = "".join(f'<th style="padding:0 .6em">{h}</th>' for h in
-                   ("what if", "peak", "needed", "saving", "compute", "steps", "fits", ""))
-    body = []
-    for r in rows:
-        fits = "" if r.fits is None else ("✔" if r.fits else "✘")
-        body.append(
-            f"<tr><td>{html.escape(r.name)}</td><td style='text-align:right'>{format_bytes(r.peak)}</td>"
-            f"<td style='text-align:right'>{format_bytes(r.needed)}</td>"
-            f"<td style='text-align:right'>{format_bytes(r.saving, signed=True)}</td>"
-            f"<td style='text-align:right'>×{r.compute:.2f}</td><td style='text-align:right'>×{r.steps:g}</td>"
-            f"<td>{fits}</td><td style='font-size:85%;color:#555'>{html.escape(r.note)}</td></tr>")
-    return (f'<table class="vram-what-if" style="font-size:85%;border-collapse:collapse"><tr>{head}</tr>'
-            f'{"".join(body)}</table>')
+    """The what-if table: every column headed, numbers right-aligned, fit marks coloured, sorted by saving."""
+    ordered = _sorted(rows)
+    name_w = max([len(r.name) for r in ordered] + [7])
+    num = f"{NUM};padding-right:0.9em"
+    heads = [("what if", "left", name_w), ("peak", "right", 10), ("needed", "right", 10), ("saves", "right", 14),
+             ("compute", "right", 8), ("steps", "right", 6), ("fits", "left", 7), ("note", "left", 0)]
+    lines = [("vram-what-if-head", [Cell(h, h, w, align, "font-weight:bold;white-space:nowrap;padding-right:0.9em")
+                                    for h, align, w in heads])]
+    for r in ordered:
+        if r.fits is None:
+            fits = Cell("", "", 7)
+        elif r.fits:
+            fits = Cell(f'<span class="vram-fits" style="{GOOD};font-weight:bold">✔ fits</span>', "✔ fits", 7)
+        else:
+            fits = Cell(f'<span class="vram-fails" style="{BAD};font-weight:bold">✘ no</span>', "✘ no", 7)
+        peak, needed, saves = format_bytes(r.peak), format_bytes(r.needed), _saves(r)
+        compute, steps = f"×{r.compute:.2f}", f"×{r.steps:g}"
+        lines.append(("vram-what-if-row", [
+            Cell(html.escape(r.name), r.name, name_w, style="white-space:nowrap;padding-right:0.9em"),
+            Cell(peak, peak, 10, "right", num), Cell(needed, needed, 10, "right", num),
+            Cell(saves, saves, 14, "right", num), Cell(compute, compute, 8, "right", num),
+            Cell(steps, steps, 6, "right", num),
+            Cell(fits.markup, fits.plain, 7, style="white-space:nowrap;padding-right:0.9em"),
+            Cell(html.escape(r.note), r.note, style=f"min-width:12em;white-space:normal;{MUTED}"),
+        ]))
+    return (f'<div class="vram-scroll" style="overflow-x:auto;max-width:100%;margin-top:4px">'
+            f'{grid_html(lines, cls="vram-what-if", style=SMALL, row_styles=_HEAD_ROW)}</div>')
+
+
+_HEAD_ROW = {"vram-what-if-head": "border-bottom:1px solid rgba(128,128,128,0.55)"}

@@ -1,10 +1,16 @@
-"""Plain-text rendering: terminal IPython, saved notebooks on GitHub, ``print(report)``."""
+"""Plain-text rendering: terminal IPython, ``text/plain`` of saved notebooks, ``print(report)``."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from ..report import CATEGORIES, LABELS, Breakdown, CellReport
 from ..trace import format_frame
 from ..units import format_bytes
+from . import LETTERS
+
+if TYPE_CHECKING:
+    from ..report import LiveStatus
 
 _SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
           "other": "other"}
@@ -15,25 +21,40 @@ def title(report: CellReport) -> str:
     cap = ""
     if report.capacity:
         cap = f" · {'budget' if report.budget else 'capacity'} {format_bytes(report.capacity)}"
-    return f"%%vram {cell} · {report.device}{cap} · {report.wall_time * 1000:.0f} ms"
+    backend = getattr(report, "backend", "tracker")
+    how = f" · {backend} backend" if backend and backend != "tracker" else ""
+    return f"%%vram {cell} · {report.device}{cap}{how} · {report.wall_time * 1000:.0f} ms"
 
 
-def table(rows: list[tuple[str, Breakdown]], signed: bool = False) -> str:
+def _signed(n: int, reference: int | None) -> str:
+    from .bars import is_negligible
+
+    if reference is not None and (n == 0 or is_negligible(n, reference)):
+        return "±0"
+    return format_bytes(n, signed=True)
+
+
+def table(rows: list[tuple[str, Breakdown]], signed: bool = False, reference: int | None = None) -> str:
+    """Rows of bytes per category; with ``signed``, changes negligible next to ``reference`` read ±0."""
     head = ["".ljust(12)] + [_SHORT[c].rjust(11) for c in CATEGORIES] + ["total".rjust(11)]
     lines = ["".join(head)]
     for name, b in rows:
-        cells = [name.ljust(12)] + [format_bytes(b[c], signed=signed).rjust(11) for c in CATEGORIES]
-        cells.append(format_bytes(b.total, signed=signed).rjust(11))
+        fmt = (lambda n: _signed(n, reference)) if signed else format_bytes
+        cells = [name.ljust(12)] + [fmt(b[c]).rjust(11) for c in CATEGORIES]
+        cells.append(fmt(b.total).rjust(11))
         lines.append("".join(cells))
     return "\n".join(lines)
 
 
 def bar(b: Breakdown, scale: int, width: int = 40) -> str:
-    chars = {"parameters": "P", "gradients": "G", "optimizer_state": "O", "activations": "A", "other": "."}
     out = ""
     for c in CATEGORIES:
-        out += chars[c] * round(width * b[c] / scale) if scale else ""
+        out += LETTERS[c] * round(width * b[c] / scale) if scale else ""
     return out[:width].ljust(width)
+
+
+def legend() -> str:
+    return "  " + "  ".join(f"{LETTERS[c]} {LABELS[c]}" for c in CATEGORIES)
 
 
 def report_text(report: CellReport) -> str:
@@ -43,9 +64,10 @@ def report_text(report: CellReport) -> str:
     lines.append(table(rows))
     for name, b in rows:
         lines.append(f"  {name:<7}|{bar(b, scale)}| {format_bytes(b.total)}")
-    lines.append("  P parameters  G gradients  O optimizer state  A activations  . other")
+    lines.append(legend())
     since = f"cell {report.previous}" if report.previous is not None else "before"
-    lines.append(table([(f"Δ vs {since}"[:12], report.delta)], signed=True))
+    ref = max(report.after.total, report.before.total, 1)
+    lines.append(table([(f"Δ vs {since}"[:12], report.delta)], signed=True, reference=ref))
     top = [(label, n) for label, n in report.after.details("other").items() if n][:3]
     if top:
         lines.append("  other after: " + ", ".join(f"{lab or '?'} {format_bytes(n)}" for lab, n in top))
@@ -85,21 +107,45 @@ def oom_text(report: CellReport) -> str:
     return "\n".join(parts)
 
 
-
-def now_text(now: object) -> str:
-    from ..session import MemoryNow
-
-    assert isinstance(now, MemoryNow)
-    b = now.breakdown
-    lines = [f"%vram · {now.device} now"]
-    lines.append(table([("now", b)]))
+def now_stats_line(now: Any) -> str:
+    """What the allocator says (CUDA), or what the budget leaves (CPU); "" when neither applies."""
     s = now.stats
+    b = now.breakdown
     if s is not None:
-        lines.append(f"  allocated {format_bytes(s.allocated)} · reserved {format_bytes(s.reserved or 0)}"
-                     + (f" · free {format_bytes(s.free)} of {format_bytes(s.total)}" if s.total and s.free is not None
-                        else "")
-                     + (f" · outside PyTorch (CUDA context, other processes) {format_bytes(s.outside_allocator)}"
-                        if s.outside_allocator is not None else ""))
-    elif now.capacity:
-        lines.append(f"  budget {format_bytes(now.capacity)} · free {format_bytes(max(now.capacity - b.total, 0))}")
+        return (f"allocated {format_bytes(s.allocated)} · reserved {format_bytes(s.reserved or 0)}"
+                + (f" · free {format_bytes(s.free)} of {format_bytes(s.total)}" if s.total and s.free is not None
+                   else "")
+                + (f" · outside PyTorch (CUDA context, other processes) {format_bytes(s.outside_allocator)}"
+                   if s.outside_allocator is not None else ""))
+    if now.capacity:
+        return f"budget {format_bytes(now.capacity)} · free {format_bytes(max(now.capacity - b.total, 0))}"
+    return ""
+
+
+def now_text(now: Any) -> str:
+    lines = [f"%vram · {now.device} now", table([("now", now.breakdown)])]
+    extra = now_stats_line(now)
+    if extra:
+        lines.append("  " + extra)
+    for note in getattr(now, "notes", ()) or ():
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def live_text(status: LiveStatus, *, cell: int | None, allocated: int | None = None) -> str:
+    """One line (plus the split, when known) for a cell that is still running."""
+    name = f"cell {cell}" if cell is not None else "block"
+    phase = f" · {status.phase}" if status.phase else ""
+    head = f"%%vram {name} · {status.device} · running {status.elapsed:.1f} s{phase}"
+    if status.now is not None:
+        head += f" · now {format_bytes(status.now)}"
+        if status.peak is not None:
+            head += f" · peak so far {format_bytes(status.peak)}"
+    elif allocated is not None:
+        head += f" · allocated now {format_bytes(allocated)}"
+    else:
+        head += f" · numbers when the cell ends ({status.backend} backend)"
+    lines = [head]
+    if status.breakdown is not None:
+        lines.append("  " + ", ".join(f"{LABELS[c]} {format_bytes(status.breakdown[c])}" for c in CATEGORIES))
     return "\n".join(lines)

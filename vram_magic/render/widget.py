@@ -1,7 +1,9 @@
-"""The ipywidgets view of a report, and a display bundle that works with ipywidgets 7 and 8.
+"""Display bundles: what ``%%vram`` puts in the notebook.
 
-ipywidgets 7 has no ``_repr_mimebundle_`` on widgets, so the bundle is built here: the widget view plus
-``text/plain`` and ``text/html`` fallbacks for terminals, GitHub and nbconvert without widget state.
+The report is static HTML and text (``text/html`` + ``text/plain``): a saved notebook shows it with no
+kernel and no saved widget state, in JupyterLab, Notebook 7, nbconvert, VS Code and viewers that sanitize
+HTML. An ipywidgets view is opt-in (``%config VramMagics.widget = True``) and carries the same HTML and text
+as fallbacks; ipywidgets 7 has no ``_repr_mimebundle_`` on widgets, so its bundle is built here.
 """
 
 from __future__ import annotations
@@ -9,47 +11,36 @@ from __future__ import annotations
 from typing import Any
 
 from ..report import CellReport
-from .html import bars_html, diff_html, legend_html, notes_html, report_html
-from .text import report_text, title
+from .html import report_html
+from .text import report_text
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
-def report_widget(report: CellReport) -> Any:
+def report_widget(report: CellReport, *, session_scale: int | None = None) -> Any:
     import ipywidgets as widgets
 
-    scale = max(report.capacity or 0, report.peak.total, report.before.total, report.after.total, 1)
-    rows = [("before", report.before), ("after", report.after), ("peak", report.peak)]
-    children = [
-        widgets.HTML(value=f"<b>{title(report)}</b>"),
-        widgets.HTML(value=bars_html(rows, scale, report.capacity), layout=widgets.Layout(width="100%")),
-        widgets.HTML(value=legend_html()),
-        widgets.HTML(value=diff_html(report)),
-    ]
-    notes = notes_html(report)
-    if notes:
-        children.append(widgets.HTML(value=notes))
-    box = widgets.VBox(children, layout=widgets.Layout(max_width="56em"))
+    view = widgets.HTML(value=report_html(report, session_scale=session_scale), layout=widgets.Layout(width="100%"))
+    box = widgets.VBox([view], layout=widgets.Layout(max_width="64em"))
     box.add_class("vram-widget")
     return box
 
 
 def widget_bundle(widget: Any, text: str, html: str) -> dict[str, Any]:
+    """The view of ``widget`` with ``text`` and ``html`` as fallbacks (for ipywidgets 7 and 8)."""
     return {
-        "application/vnd.jupyter.widget-view+json": {
-            "model_id": widget.model_id,
-            "version_major": 2,
-            "version_minor": 0,
-        },
+        WIDGET_VIEW: {"model_id": widget.model_id, "version_major": 2, "version_minor": 0},
         "text/plain": text,
         "text/html": html,
     }
 
 
-def report_bundle(report: CellReport, *, widget: bool = True) -> dict[str, Any]:
-    """What ``%%vram`` displays: the widget (when asked and possible) with text and HTML fallbacks."""
-    text, html = report_text(report), report_html(report)
+def report_bundle(report: CellReport, *, widget: bool = False, session_scale: int | None = None) -> dict[str, Any]:
+    """What ``%%vram`` displays: static HTML and text; with ``widget``, an ipywidgets view in front of them."""
+    text, html = report_text(report), report_html(report, session_scale=session_scale)
     if widget:
         try:
-            return widget_bundle(report_widget(report), text, html)
-        except Exception:  # no ipywidgets, or no kernel to talk to: the fallbacks still show everything
+            return widget_bundle(report_widget(report, session_scale=session_scale), text, html)
+        except Exception:  # no ipywidgets, or no kernel to talk to: the static report shows everything
             pass
     return {"text/plain": text, "text/html": html}
