@@ -215,9 +215,10 @@ def device_usage(device: str, before: Mapping[str, Any] | None, after: Mapping[s
     global_peak = int(after.get("allocated_bytes.all.peak", after_alloc))
     notes: list[str] = []
     if before is None:  # the allocator was created inside the cell: its counters are the cell's
-        return DeviceUsage(device, 0, after_alloc, max(global_peak, after_alloc), global_peak > 0, None,
-                           (f"CUDA was initialised by this cell: {device}'s peak is the allocator's own peak "
-                            "counter, which started with it",)), None
+        used = global_peak > 0
+        note = (f"CUDA was initialised by this cell: {device}'s peak is the allocator's own peak counter, which "
+                "started with it",) if used else ()
+        return DeviceUsage(device, 0, after_alloc, max(global_peak, after_alloc), used, None, note), None
     before_alloc = int(before.get("allocated_bytes.all.current", 0))
     was = touched(before, after)
     candidates = [before_alloc, after_alloc]
@@ -341,10 +342,10 @@ class CudaCell:
         self.initialised_at_start = initialized()
         if not self.initialised_at_start:
             return self
-        self._contexts = {i for i in range(count) if has_context(i)}
         self._before = {i: raw_stats(i) for i in range(count)}
         if self.budget is not None:
             self._limit()
+        self._contexts = {i for i in range(count) if has_context(i)}  # after --budget, which may have made one
         self._start_history()
         return self
 
