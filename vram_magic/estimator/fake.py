@@ -160,8 +160,11 @@ class ModelSource:
     def module(self) -> nn.Module | None:
         return self._ref() if self._ref is not None else None
 
-    def fake(self, mode: FakeTensorMode, dtype: torch.dtype | None) -> nn.Module:
-        """A fake copy (or fake build) of the model, with floating weights in ``dtype`` when given."""
+    def fake(self, mode: FakeTensorMode, dtype: torch.dtype | None) -> tuple[nn.Module, dict[str, str]]:
+        """A fake copy (or fake build) of the model, with floating weights in ``dtype`` when given, without its
+        ``torch.compile`` wrappers; and which parts were compiled (see ``compiled.py``)."""
+        from .compiled import compiled_parts, copy_plain, strip
+
         if self.builder is not None:
             old = torch.get_default_dtype()
             with mode:
@@ -173,20 +176,23 @@ class ModelSource:
                     torch.set_default_dtype(old)
             if not isinstance(built, nn.Module):
                 raise TypeError(f"the model builder returned {type(built).__name__}, not an nn.Module")
+            parts = compiled_parts(built)
+            built = strip(built) if parts else built
             _normalise(built, mode, dtype)
-            return built
+            return built, parts
         model = self.module()
         if model is None:
             raise ValueError("the model this estimate was made for no longer exists; estimate again")
+        parts = compiled_parts(model)
         memo: dict[int, Any] = {}
         with mode:
             for t in list(model.parameters()) + list(model.buffers()):
                 if id(t) not in memo:
                     memo[id(t)] = _fake_like(t, dtype)
         with FakeCopyMode(mode):
-            fake = copy.deepcopy(model, memo)
+            fake = copy_plain(model, memo) if parts else copy.deepcopy(model, memo)
         _normalise(fake, mode, dtype)
-        return fake
+        return fake, parts
 
 
 def _fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

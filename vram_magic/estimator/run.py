@@ -173,7 +173,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     import time
 
     try:
-        model = request.source.fake(mode, opts.dtype)
+        model, compiled = request.source.fake(mode, opts.dtype)
     except (TypeError, ValueError):
         raise
     except FAKE_PROBLEMS as err:
@@ -232,6 +232,13 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
         claim(m, ("optimizer_state", "fp32 master weights"))
     updater = _MasterStep(optimizer, trainable, masters) if masters else optimizer
     names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
+    runner: Any = model
+    if compiled:
+        from .compiled import NOTE, recompile
+
+        runner = recompile(model, compiled)
+        where = ", ".join(repr(n) if n else "the whole model" for n in sorted(compiled))
+        notes.append(f"{NOTE}; compiled: {where}")
     tracer = StepTracer(registry, names)
     tracer.input_keys = {id(t.untyped_storage()) for t in _tensors(inputs) if t.layout == torch.strided}
     loss_used = ["loss_fn (given)"] if request.loss_fn is not None else [""]
@@ -249,7 +256,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     problem = None
     amp = torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else contextlib.nullcontext()
     try:
-        with mode, tracer:
+        with mode, tracer, _compiled_step(bool(compiled), tracer):
             for step in range(opts.steps):
                 last = step == opts.steps - 1
                 if last:
@@ -258,7 +265,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                 if opts.inference:
                     tracer.stage = FORWARD
                     with torch.inference_mode(), amp:
-                        out = _call(model, inputs)
+                        out = _call(runner, inputs)
                     if last:
                         marks["forward_end"] = len(tracer.events)
                     del out
@@ -270,7 +277,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                     out = loss = None  # the previous micro-batch's output lives until this one replaces it
                     tracer.stage = FORWARD
                     with amp:
-                        out = _call(model, inputs)
+                        out = _call(runner, inputs)
                         tracer.stage = LOSS
                         loss = loss_fn(out)
                     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -421,6 +428,26 @@ def _call_mismatch(model: nn.Module, specs: Any) -> str:
     except TypeError as bad:
         return f"{bad} (forward{sig})"
     return ""
+
+
+@contextlib.contextmanager
+def _compiled_step(compiled: bool, tracer: StepTracer) -> Any:
+    """Each estimate compiles a new fake copy of the model: TorchDynamo must not stop compiling (and fall back
+    to eager) because the same code was compiled for earlier estimates. The compiled graphs tell the tracer
+    which of their values a fused kernel keeps to itself."""
+    if not compiled:
+        yield
+        return
+    import torch._dynamo
+
+    from .compiled import ACTIVE
+
+    ACTIVE.append(tracer)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+            yield
+    finally:
+        ACTIVE.remove(tracer)
 
 
 def _describe_loss(used: str, model: nn.Module, specs: Any) -> str:

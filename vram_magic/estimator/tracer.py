@@ -89,6 +89,8 @@ class StepTracer(Tracker):
         self.input_keys: set[int] = set()  # id() of the inputs' storages
         self.failed_stage = SETUP
         self.failed_on_input = False  # the failing op read an input tensor (or a view of one) directly
+        self._fused: set[int] = set()  # serials of values a compiled kernel would not materialize
+        self.fusing = False  # set while a compiled graph computes a value that lives inside a fused kernel
         self.rnns: list[tuple[int, Any, Any, int]] = []  # (events so far, op, argument specs, workspace serial)
         self.copies: list[tuple[int, int]] = []  # (events so far, bytes) of operand copies inside CPU GEMMs
         self.matmul = False  # cuBLAS would be used (and allocate its workspace) on CUDA
@@ -103,6 +105,12 @@ class StepTracer(Tracker):
                     except (RuntimeError, NotImplementedError):
                         pass
         return False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # off while TorchDynamo and AOTAutograd compile a model (their tracing is no memory of the step), on while
+        # the compiled graphs run
+        return True
 
     # --- module stack (global hooks installed by Tracker.__enter__) -----------------------------------------
     def _mod_pre(self, module: Any = None, *rest: Any) -> None:
@@ -125,6 +133,25 @@ class StepTracer(Tracker):
             recompute = self.stage == BACKWARD and bool(self.modstack)
             self.made[entry.serial] = (self.stage, self.module(), recompute)
 
+    def release(self, value: Any) -> None:
+        """``value``'s buffer is taken over by the next result (written in place): counted as freed now, its
+        real free later not counted again."""
+        if not isinstance(value, torch.Tensor):
+            return
+        try:
+            entry = self.registry.get(id(value.untyped_storage()))
+        except (RuntimeError, NotImplementedError):
+            return
+        if entry is not None and entry.serial not in self._fused:
+            Tracker._freed(self, entry)
+            self._fused.add(entry.serial)
+
+    def _freed(self, entry: Any) -> None:
+        if entry.serial in self._fused:
+            self._fused.discard(entry.serial)
+            return
+        super()._freed(entry)
+
     def _see(self, t: torch.Tensor, func: Any) -> None:
         try:
             storage = t.untyped_storage()
@@ -132,6 +159,8 @@ class StepTracer(Tracker):
             return
         entry = self.registry.get(id(storage))
         if entry is not None:
+            if entry.serial in self._fused:
+                return
             size = int(storage.nbytes())
             if entry.size != size:  # resized in place
                 self.current += size - entry.size
@@ -140,6 +169,10 @@ class StepTracer(Tracker):
             return
         if self._aliases(func):
             self._late(storage)
+            return
+        if self.fusing:  # never written to memory: known (its views resolve to it), not counted
+            entry = self.registry.add_new(storage, id(storage), int(storage.nbytes()), self.device)
+            self._fused.add(entry.serial)
             return
         self._new(storage)
 

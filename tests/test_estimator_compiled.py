@@ -1,0 +1,126 @@
+"""Compiled models: estimated as compiled training runs them (AOTAutograd's partitioner decides what is saved),
+checked against the profiler's peak of a real Inductor step on the CPU; compiled parts found and the user's
+model left as it was."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import vram_magic
+
+pytestmark = pytest.mark.slow  # a real Inductor compile takes seconds
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, 2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    """GPT-2's shape: token and position embeddings, pre-norm blocks, a tied head."""
+
+    def __init__(self, vocab: int = 1000, d: int = 128, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(512, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 1000, (8, 256), generator=g)
+    return idx, idx.roll(-1, 1)
+
+
+def real_compiled_peak(model: nn.Module, inputs: dict) -> int:
+    """Two AdamW steps of the compiled model under the profiler, after a first call that compiles it."""
+    from test_hf_models import _profiled_step_peak
+    from torch.profiler import ProfilerActivity, profile
+
+    compiled = torch.compile(model)
+    compiled(**inputs).loss.backward()  # compiles the forward and the backward
+    for p in model.parameters():
+        p.grad = None
+    base = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers(), *inputs.values()]}.values())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt = torch.optim.AdamW(model.parameters(), foreach=False)
+        for _ in range(2):
+            loss = compiled(**inputs).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del loss
+    return base + _profiled_step_peak(prof)
+
+
+def test_compiled_gpt2_within_five_percent_of_a_real_inductor_step():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=128, n_head=4, vocab_size=2000, n_positions=512, use_cache=False))
+    ids = torch.randint(0, 2000, (8, 256), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        real = real_compiled_peak(model, inputs)
+    est = vram_magic.estimate(torch.compile(model), inputs, device="cpu")
+    eager = vram_magic.estimate(model, inputs, device="cpu")
+    assert not est.partial, est.problem
+    assert abs(est.peak.total - real) / real < 0.05, (est.peak.total, real)
+    assert any("compiled (torch.compile)" in n and "min-cut partitioner" in n and "the whole model" in n
+               for n in est.notes)
+    assert "compiled" not in " ".join(eager.notes)
+    # the eager estimate of the same step reads far higher: the compiled one saves fewer activations
+    assert eager.peak.total > 1.3 * real and est.after_forward["activations"] < eager.after_forward["activations"]
+
+
+def test_compiled_parts_are_found_and_the_users_model_is_left_alone():
+    model, inputs = GPT(), batch()
+    model.blocks[0] = torch.compile(model.blocks[0])
+    model.blocks[1].compile()
+    wrapper, compiled_call = model.blocks[0], model.blocks[1]._compiled_call_impl
+    est = vram_magic.estimate(model, inputs, device="cpu")
+    assert any("compiled: 'blocks.0', 'blocks.1'" in n for n in est.notes)
+    assert model.blocks[0] is wrapper and model.blocks[1]._compiled_call_impl is compiled_call
+    assert all(p.grad is None and not p.is_meta for p in model.parameters())
+    assert not est.partial
+
+
+def test_estimating_never_uses_up_the_users_recompile_limit():
+    from torch._dynamo.eval_frame import _get_cache_entries_for_region
+
+    model, inputs = GPT(layers=1), batch()
+    compiled = torch.compile(model, backend="eager")
+    compiled(*inputs)
+    before = len(_get_cache_entries_for_region(GPT.forward, -1))
+    for _ in range(3):
+        vram_magic.estimate(compiled, inputs, device="cpu", inference=True)
+    assert len(_get_cache_entries_for_region(GPT.forward, -1)) == before

@@ -1,0 +1,350 @@
+"""Compiled models (``torch.compile``), estimated as compiled training runs them.
+
+A compiled model saves for backward only what AOTAutograd's partitioner decides (cheap ops are recomputed in
+the backward instead of saved), fuses chains of pointwise ops into one kernel that writes only its result,
+and frees each buffer as soon as it is used. The estimate compiles the fake model with TorchDynamo and
+AOTAutograd as Inductor does — Inductor's decompositions, its joint-graph passes and its min-cut partitioner
+— but instead of generating kernels it runs the partitioned forward and backward graphs op by op on fake
+tensors: a pointwise result consumed only by pointwise ops and reductions is counted as never written (it
+lives inside a fused kernel), every other value is freed after its last use (the graph's inputs too, as
+Inductor's boxed calling convention allows). Not modelled: Inductor's own choice to materialize a pointwise
+value it would otherwise recompute many times, and its reuse of one buffer for another of the same size.
+
+The tracker ignores the compiler's own work (``ignore_compile_internals``) and sees the graphs' ops when
+they run.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+NOTE = ("compiled (torch.compile): activations saved for backward as AOTAutograd's min-cut partitioner decides "
+        "them (Inductor's decompositions and joint-graph passes); the partitioned graphs run op by op on fake "
+        "tensors, pointwise chains counted as fused kernels, each value freed after its last use")
+
+
+def is_compiled(module: Any) -> bool:
+    """A ``torch.compile``'d module (an ``OptimizedModule`` wrapping the module it compiles)."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
+
+
+def _walk(module: nn.Module, prefix: str = "") -> Any:
+    """``(name, module as found, the module it compiles or itself)``, named as in the model without wrappers."""
+    inner = module._orig_mod if is_compiled(module) else module  # type: ignore[union-attr]
+    yield prefix, module, inner
+    for name, child in inner._modules.items():
+        if child is not None:
+            yield from _walk(child, f"{prefix}.{name}" if prefix else name)
+
+
+def compiled_parts(model: nn.Module) -> dict[str, str]:
+    """The compiled parts of a model, named as in the model without wrappers (``""``: the model itself), and
+    how each was compiled: ``torch.compile(module)`` or ``module.compile()``."""
+    out: dict[str, str] = {}
+    for name, outer, inner in _walk(model):
+        if outer is not inner:
+            out[name] = "torch.compile"
+        elif getattr(inner, "_compiled_call_impl", None) is not None:
+            out[name] = "compile()"
+    return out
+
+
+def copy_plain(model: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy`` of the model in which every compiled wrapper is copied as the module it compiles."""
+    for _, outer, inner in _walk(model):
+        if outer is not inner and id(outer) not in memo:
+            memo[id(outer)] = copy.deepcopy(inner, memo)
+    root = model._orig_mod if is_compiled(model) else model  # type: ignore[union-attr]
+    return copy.deepcopy(root, memo)
+
+
+def strip(model: nn.Module) -> nn.Module:
+    """The model (our own fake build) with every compiled wrapper replaced by the module it compiles."""
+    for _, _, inner in list(_walk(model)):
+        for name, child in list(inner._modules.items()):
+            if child is not None and is_compiled(child):
+                inner._modules[name] = child._orig_mod
+    return model._orig_mod if is_compiled(model) else model  # type: ignore[union-attr,return-value]
+
+
+def _compile(target: Any, backend: Any) -> Any:
+    # Its own region of TorchDynamo's cache: what the estimate compiles never counts against the recompile
+    # limit of the user's own compiled model (which would fall back to eager)
+    try:
+        return torch.compile(target, backend=backend, isolate_recompiles=True)
+    except TypeError:  # a PyTorch without isolated regions
+        return torch.compile(target, backend=backend)
+
+
+def recompile(model: nn.Module, parts: dict[str, str]) -> Any:
+    """Compile the parts of the plain (fake) model that were compiled, with the estimating backend (a copied
+    ``compile()`` still holds the user's compiled call: it is replaced here); what to call for a step."""
+    backend = estimating_backend()
+    runner: Any = model
+    for name, how in sorted(parts.items(), key=lambda kv: -len(kv[0])):  # innermost first
+        m = model.get_submodule(name) if name else model
+        if how == "compile()":
+            m._compiled_call_impl = _compile(m._call_impl, backend)  # type: ignore[assignment]
+        elif name:
+            parent, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            owner._modules[leaf] = _compile(m, backend)  # type: ignore[assignment]
+        else:
+            runner = _compile(m, backend)
+    return runner
+
+
+def estimating_backend() -> Any:
+    """TorchDynamo backend: AOTAutograd with Inductor's decompositions and partitioner; graphs run op by op."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+
+    def partition(gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        from torch._guards import detect_fake_mode
+        from torch._inductor.virtualized import V
+
+        # Inductor's joint-graph passes read the fake mode Inductor would have set
+        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+            return partition_fn(gm, joint_inputs, **kwargs)
+
+    return aot_autograd(fw_compiler=_runner, bw_compiler=_runner, partition_fn=partition,
+                        decompositions=select_decomp_table(), keep_inference_input_mutations=True)
+
+
+#: The step tracer while a compiled model runs (it is told which values a fused kernel keeps to itself).
+ACTIVE: list[Any] = []
+
+_FUSIBLE_NAMES = frozenset({"_to_copy", "inductor_random", "inductor_randint", "full", "scalar_tensor", "iota",
+                            "gather", "embedding", "where"})
+
+
+def _kind(node: Any) -> str:
+    """``pointwise`` (computed inside the kernel of its consumer), ``reduction``, ``view`` or ``other``."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return "other"
+    target = node.target
+    if torch.Tag.pointwise in target.tags or target.__name__.split(".")[0] in _FUSIBLE_NAMES:
+        return "pointwise"
+    if torch.Tag.reduction in target.tags:
+        return "reduction"
+    try:
+        if any(r.alias_info is not None for r in target._schema.returns):
+            return "view"
+    except AttributeError:
+        pass
+    return "other"
+
+
+def virtual_nodes(gm: torch.fx.GraphModule) -> set[Any]:
+    """The values Inductor computes inside the kernel that consumes them and never writes to memory: pointwise
+    results whose every consumer (through views) is a pointwise op or a reduction, and that leave the graph
+    neither as outputs nor as saved activations."""
+    kinds = {node: _kind(node) for node in gm.graph.nodes}
+    outputs: set[Any] = set()
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            outputs.update(node.all_input_nodes)
+
+    def consumers(node: Any) -> list[Any]:
+        out = []
+        for user in node.users:
+            if kinds.get(user) == "view":
+                if user in outputs:
+                    return [None]
+                out.extend(consumers(user))
+            else:
+                out.append(user)
+        return out
+
+    virtual = set()
+    for node, kind in kinds.items():
+        if kind != "pointwise" or node in outputs:
+            continue
+        users = consumers(node)
+        if users and all(u is not None and kinds.get(u) in ("pointwise", "reduction") for u in users):
+            virtual.add(node)
+    return virtual
+
+
+def _base(node: Any, kinds: dict[Any, str]) -> Any:
+    while kinds.get(node) == "view" and node.args and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def reused_buffers(gm: torch.fx.GraphModule, virtual: set[Any]) -> dict[Any, Any]:
+    """``{node: buffer}``: a pointwise kernel that writes its result into a buffer it reads for the last time,
+    of the same size and dtype (Inductor's in-place reuse). In a backward graph the saved activations are
+    donated to it and can be reused too; the forward's inputs (parameters, the batch) never are."""
+    kinds = {node: _kind(node) for node in gm.graph.nodes}
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    outputs: set[Any] = set()
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            outputs.update(_base(n, kinds) for n in node.all_input_nodes)
+    last: dict[Any, int] = {}  # a buffer's last reader, through its views
+    for node in gm.graph.nodes:
+        for used in node.all_input_nodes:
+            base = _base(used, kinds)
+            if kinds.get(node) != "view":
+                last[base] = max(last.get(base, -1), order[node])
+
+    def donated(node: Any) -> bool:
+        if node.op != "placeholder":
+            return node.op == "call_function"
+        return not str(node.target).startswith(("primals", "tangents"))
+
+    out: dict[Any, Any] = {}
+    taken: set[Any] = set()
+    for node in gm.graph.nodes:
+        if node in virtual or kinds.get(node) != "pointwise":
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        kernel, stack = {node}, [node]
+        while stack:  # the virtual values computed inside this kernel
+            for used in stack.pop().all_input_nodes:
+                b = _base(used, kinds)
+                if b in virtual and b not in kernel:
+                    kernel.add(b)
+                    stack.append(b)
+        end = order[node]
+        for k in sorted(kernel, key=order.__getitem__):
+            for used in k.all_input_nodes:
+                b = _base(used, kinds)
+                bval = b.meta.get("val")
+                if (b in kernel or b in taken or b in outputs or not donated(b) or last.get(b, -1) > end
+                        or not isinstance(bval, torch.Tensor) or bval.dtype != val.dtype
+                        or bval.untyped_storage().nbytes() != val.untyped_storage().nbytes()):
+                    continue
+                out[node] = b
+                taken.add(b)
+                break
+            if node in out:
+                break
+    return out
+
+
+def deferred_frees(gm: torch.fx.GraphModule, virtual: set[Any], inplace: dict[Any, Any]) -> dict[Any, Any]:
+    """``{node: buffer}``: Inductor's memory planning does not free a dead buffer when a later kernel can take
+    it (same dtype and size); it stays allocated until that kernel writes into it. Which buffer each kernel
+    takes, planned as Inductor plans it: in graph order, the most recently freed buffer of the right size."""
+    kinds = {node: _kind(node) for node in gm.graph.nodes}
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    outputs: set[Any] = set()
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            outputs.update(_base(n, kinds) for n in node.all_input_nodes)
+    dies_at: dict[int, list[Any]] = {}
+    last: dict[Any, int] = {}
+    for node in gm.graph.nodes:
+        for used in node.all_input_nodes:
+            if kinds.get(node) != "view":
+                base = _base(used, kinds)
+                last[base] = max(last.get(base, -1), order[node])
+    for b, i in last.items():
+        dies_at.setdefault(i, []).append(b)
+
+    def allocates(node: Any) -> bool:
+        return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+                and kinds.get(node) != "view" and node not in virtual
+                and isinstance(node.meta.get("val"), torch.Tensor))
+
+    def poolable(b: Any) -> bool:
+        if b in outputs or b in virtual or not isinstance(b.meta.get("val"), torch.Tensor):
+            return False
+        if b.op == "placeholder":
+            return not str(b.target).startswith(("primals", "tangents"))
+        return allocates(b)
+
+    def key(b: Any) -> tuple[Any, int]:
+        val = b.meta["val"]
+        return val.dtype, val.untyped_storage().nbytes()
+
+    pool: dict[tuple[Any, int], list[Any]] = {}
+    taken_inplace = set(inplace.values())
+    out: dict[Any, Any] = {}
+    for node in gm.graph.nodes:
+        if allocates(node) and node not in inplace:
+            free = pool.get(key(node))
+            if free:
+                out[node] = free.pop()
+        for b in dies_at.get(order[node], ()):
+            if poolable(b) and b not in taken_inplace:
+                pool.setdefault(key(b), []).append(b)
+    return out
+
+
+def _runner(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    """A boxed callable that runs ``gm``'s nodes one by one and drops each value after its last use — the
+    inputs too (the caller's list is emptied), as Inductor's generated code does."""
+    nodes = list(gm.graph.nodes)
+    last_use: dict[Any, list[Any]] = {}
+    seen: set[Any] = set()
+    for node in reversed(nodes):
+        for used in node.all_input_nodes:
+            if used not in seen:
+                seen.add(used)
+                last_use.setdefault(node, []).append(used)
+    map_arg = torch.fx.node.map_arg
+    virtual = virtual_nodes(gm)
+    reuse = reused_buffers(gm, virtual)
+    deferred = deferred_frees(gm, virtual, reuse)
+    kept = set(deferred.values())
+
+    def run(args: list[Any]) -> Any:
+        tracer = ACTIVE[-1] if ACTIVE else None
+        holding: dict[Any, Any] = {}  # dead buffers kept for the kernel that will write into them
+        values = list(args)
+        args.clear()
+        env: dict[Any, Any] = {}
+        i = 0
+        for node in nodes:
+            if node.op == "placeholder":
+                env[node] = values[i]
+                values[i] = None
+                i += 1
+            elif node.op == "call_function":
+                a = map_arg(node.args, env.__getitem__)
+                k = map_arg(node.kwargs, env.__getitem__)
+                if node in deferred:
+                    holding.pop(deferred[node], None)
+                if tracer is not None and node in reuse:
+                    tracer.release(env.get(reuse[node]))
+                if tracer is not None and node in virtual:
+                    tracer.fusing = True
+                    try:
+                        env[node] = node.target(*a, **k)
+                    finally:
+                        tracer.fusing = False
+                else:
+                    env[node] = node.target(*a, **k)
+            elif node.op == "get_attr":
+                target: Any = gm
+                for part in str(node.target).split("."):
+                    target = getattr(target, part)
+                env[node] = target
+            elif node.op == "call_module":
+                a = map_arg(node.args, env.__getitem__)
+                k = map_arg(node.kwargs, env.__getitem__)
+                env[node] = gm.get_submodule(str(node.target))(*a, **k)
+            elif node.op == "call_method":
+                a = map_arg(node.args, env.__getitem__)
+                k = map_arg(node.kwargs, env.__getitem__)
+                env[node] = getattr(a[0], str(node.target))(*a[1:], **k)
+            elif node.op == "output":
+                return map_arg(node.args[0], env.__getitem__)
+            for used in last_use.get(node, ()):
+                value = env.pop(used, None)
+                if used in kept:
+                    holding[used] = value
+        return None
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
