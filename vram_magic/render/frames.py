@@ -26,25 +26,25 @@ class BytesFrame(pd.DataFrame):
     def _constructor(self) -> Any:
         return pd.DataFrame
 
-    def _shown(self) -> pd.DataFrame:
+    def _shown(self, nbsp: bool = False) -> pd.DataFrame:
         shown = pd.DataFrame(self).astype(object)
         formats: dict[str, Any] = getattr(self, "_formats", None) or {}
         for col, fmt in formats.items():
             if col in shown.columns:
-                shown[col] = [_nbsp(fmt(v)) for v in self[col]]
+                shown[col] = [_nbsp(fmt(v)) if nbsp else fmt(v) for v in self[col]]
         rows: dict[Any, Callable[[Any], str]] | None = formats.get("__rows__")
         if rows is not None:
             for i, label in enumerate(shown.index):
                 fmt = rows.get(label)
                 if fmt is not None:
-                    shown.iloc[i] = [_nbsp(fmt(v)) for v in self.iloc[i]]
+                    shown.iloc[i] = [_nbsp(fmt(v)) if nbsp else fmt(v) for v in self.iloc[i]]
         return shown
 
     def __repr__(self) -> str:
         return self._shown().to_string()
 
     def _repr_html_(self) -> str:
-        return frame_html(self._shown())
+        return frame_html(self._shown(nbsp=True))
 
 
 def frame_html(shown: pd.DataFrame) -> str:

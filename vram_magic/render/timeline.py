@@ -116,7 +116,9 @@ def timeline_figure(report: CellReport, top: int = 3) -> Figure:
     from matplotlib.ticker import FuncFormatter, MultipleLocator
 
     trace = report.trace
-    fig = _figure_class()(figsize=(9, 4.2))
+    listed = trace.largest_allocations(top) if trace is not None else []
+    # room under the plot for the list of the largest allocations, a line each
+    fig = _figure_class()(figsize=(9, 3.4 + 0.16 * (len(listed) + 1) if listed else 3.6))
     FigureCanvasAgg(fig)
     fig.patch.set_alpha(0)
     ax = fig.add_subplot(1, 1, 1)
@@ -144,7 +146,9 @@ def timeline_figure(report: CellReport, top: int = 3) -> Figure:
             continue
         color, alpha = PHASES[phase]
         ax.axvspan(a, b, color=color, alpha=alpha, lw=0, zorder=1)
-    fig.tight_layout(rect=(0, 0.12, 1, 0.9))
+    height = fig.get_figheight() * fig.dpi
+    below = (30 + 14 * (len(listed) + 1)) / height if listed else 0.02
+    fig.tight_layout(rect=(0, below, 1, 0.9))
     for phase, a, b in phase_runs(report):
         if phase not in PHASES:
             continue
@@ -181,7 +185,7 @@ def timeline_figure(report: CellReport, top: int = 3) -> Figure:
 
     # the largest allocations: a number on the plot, the line that made it in the list below
     lines = []
-    for k, (i, block) in enumerate(trace.largest_allocations(top), start=1):
+    for k, (i, block) in enumerate(listed, start=1):
         where = f" at {format_frame(block.site[0])}" if block.site else ""
         phase = f" ({block.phase})" if block.phase and block.phase != "cell" else ""
         total = sum(series[c][i + 1] for c in CATEGORIES)

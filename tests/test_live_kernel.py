@@ -1,0 +1,202 @@
+"""The live view and ``%vram watch`` in a real kernel, read from the messages a frontend receives.
+
+A kernel (ipykernel, the Python running the tests) runs cells sent over jupyter_client; every iopub message
+is kept with the kernel's own timestamp. A frontend shows a ``display_data`` with a ``display_id`` and
+replaces it on each ``update_display_data`` with that id, so these messages are what the user sees update.
+``ci/notebooks.sh`` runs this file again with ipywidgets 7.7 (Colab's) in the kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+jupyter_client = pytest.importorskip("jupyter_client")
+pytest.importorskip("ipykernel")
+
+pytestmark = pytest.mark.slow
+
+
+class Kernel:
+    def __init__(self) -> None:
+        self.km = jupyter_client.KernelManager(kernel_name="python3")
+        self.km.start_kernel(env={"OMP_NUM_THREADS": "1", "PATH": __import__("os").environ.get("PATH", "")})
+        self.kc = self.km.client()
+        self.kc.start_channels()
+        self.kc.wait_for_ready(timeout=60)
+
+    def run(self, code: str, timeout: float = 120, interrupt_after: float | None = None) -> dict[str, Any]:
+        """Run ``code``; returns the iopub messages of that request (in order) and the reply."""
+        msg_id = self.kc.execute(code)
+        messages = []
+        deadline = time.monotonic() + timeout
+        interrupted = False
+        started = time.monotonic()
+        while True:
+            if interrupt_after is not None and not interrupted and time.monotonic() - started > interrupt_after:
+                self.km.interrupt_kernel()
+                interrupted = True
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.2)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no idle after {timeout} s running {code[:60]!r}") from None
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                messages.append(msg)  # e.g. a watch redrawn from its thread while this cell runs
+                continue
+            messages.append(msg)
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+        reply = self.kc.get_shell_msg(timeout=10)
+        return {"messages": messages, "reply": reply["content"]}
+
+    def value(self, expr: str) -> Any:
+        out = self.run(f"import json as _j; print(_j.dumps({expr}))")
+        text = "".join(m["content"]["text"] for m in out["messages"] if m["msg_type"] == "stream")
+        return json.loads(text.strip().splitlines()[-1])
+
+    def close(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[Kernel]:
+    k = Kernel()
+    try:
+        setup = k.run("%load_ext vram_magic\nimport time, torch\ntorch.manual_seed(0)\n"
+                      "model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),\n"
+                      "                            torch.nn.Linear(512, 256))\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\nx = torch.randn(64, 256)")
+        assert setup["reply"]["status"] == "ok", setup
+        yield k
+    finally:
+        k.close()
+
+
+def displays(messages: list[dict[str, Any]]) -> list[tuple[float, str, str, dict[str, Any]]]:
+    """``(kernel time, msg_type, display_id, data)`` of every display message."""
+    out = []
+    for m in messages:
+        if m["msg_type"] in ("display_data", "update_display_data"):
+            did = m["content"].get("transient", {}).get("display_id", "")
+            t = m["header"]["date"].timestamp()
+            out.append((t, m["msg_type"], did, m["content"]["data"]))
+    return out
+
+
+def _bytes(text: str) -> float:
+    number, unit = text.split()
+    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+TRAIN = ("%%vram -o {name}\nfor step in range({steps}):\n    loss = model(x).pow(2).mean()\n    loss.backward()\n"
+         "    opt.step()\n    opt.zero_grad(set_to_none=True)\n    time.sleep({pause})\ndel loss")
+
+
+def test_live_view_updates_then_is_replaced_by_the_report(kernel: Kernel) -> None:
+    out = kernel.run(TRAIN.format(name="r_live", steps=20, pause=0.15))
+    assert out["reply"]["status"] == "ok"
+    shown = displays(out["messages"])
+    ids = {d for _, _, d, _ in shown}
+    assert len(ids) == 1, f"one display, updated in place: {ids}"
+    live = [(t, data) for t, _, _, data in shown if "vram-live" in data.get("text/html", "")]
+    final = shown[-1]
+    # it appeared after the delay and kept updating at least twice a second while the cell ran
+    assert shown[0][1] == "display_data" and all(kind == "update_display_data" for _, kind, _, _ in shown[1:])
+    span = live[-1][0] - live[0][0]
+    rate = (len(live) - 1) / span
+    assert len(live) >= 6 and rate >= 2, f"{len(live)} live updates over {span:.2f} s ({rate:.1f}/s)"
+    assert live[0][1]["text/plain"].startswith("%%vram cell") and "running" in live[0][1]["text/plain"]
+    elapsed = [float(d["text/plain"].split("running ")[1].split(" s")[0]) for _, d in live]
+    assert elapsed == sorted(elapsed) and elapsed[0] >= 0.9, elapsed  # shown after about a second, in order
+    # the same display now holds the final, static report: no widget, no live markup
+    assert final[1] == "update_display_data"
+    assert "vram-report" in final[3]["text/html"] and "vram-live" not in final[3]["text/html"]
+    assert set(final[3]) == {"text/plain", "text/html"}
+    assert final[3]["text/plain"].startswith("%%vram cell")
+    assert kernel.value("[t.name for t in __import__('threading').enumerate() if t.name == 'vram-live']") == []
+
+
+def test_a_short_cell_shows_only_its_report(kernel: Kernel) -> None:
+    out = kernel.run("%%vram\ny = model(x)")
+    shown = displays(out["messages"])
+    assert len(shown) == 1 and shown[0][1] == "display_data"
+    assert "vram-live" not in shown[0][3]["text/html"] and "vram-report" in shown[0][3]["text/html"]
+
+
+def test_live_view_ends_cleanly_on_an_exception(kernel: Kernel) -> None:
+    out = kernel.run("%%vram -o r_err\ny = model(x)\ntime.sleep(1.6)\nraise ValueError('stop here')")
+    assert out["reply"]["status"] == "error" and out["reply"]["ename"] == "ValueError"
+    shown = displays(out["messages"])
+    assert any("vram-live" in d["text/html"] for _, _, _, d in shown), "the live view appeared"
+    final = shown[-1][3]
+    assert shown[-1][1] == "update_display_data" and "vram-live" not in final["text/html"]
+    assert "ValueError: stop here" in final["text/plain"]
+    # the traceback starts at the cell's code, without IPython's run_cell_magic line
+    tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(out["reply"]["traceback"]))
+    assert "run_cell_magic" not in tb and "raise ValueError" in tb
+    assert kernel.value("[t.name for t in __import__('threading').enumerate() if t.name == 'vram-live']") == []
+    assert kernel.value("r_err.error") == "ValueError: stop here"
+
+
+def test_live_view_ends_cleanly_on_keyboard_interrupt(kernel: Kernel) -> None:
+    out = kernel.run("%%vram -o r_int\nfor _ in range(200):\n    y = model(x)\n    time.sleep(0.05)",
+                     interrupt_after=2.5)
+    assert out["reply"]["status"] == "error" and out["reply"]["ename"] == "KeyboardInterrupt"
+    shown = displays(out["messages"])
+    assert any("vram-live" in d["text/html"] for _, _, _, d in shown)
+    assert shown[-1][1] == "update_display_data" and "vram-live" not in shown[-1][3]["text/html"]
+    assert "KeyboardInterrupt" in shown[-1][3]["text/plain"]
+    assert kernel.value("[t.name for t in __import__('threading').enumerate() if t.name == 'vram-live']") == []
+    assert kernel.value("r_int.error").startswith("KeyboardInterrupt")
+
+
+def test_measured_numbers_are_the_same_with_and_without_the_live_view(kernel: Kernel) -> None:
+    """The same training loop, measured three times from the same state: with the live view redrawn every
+    20 ms from the first moment, without it, and with it again. Every breakdown (split and detail rows) of
+    the three reports is identical."""
+    kernel.run("def _split(r):\n"
+               "    return {k: {**getattr(r, k).as_dict(), 'detail': sorted(map(list, getattr(r, k).detail))}\n"
+               "            for k in ('before', 'after', 'peak')}")
+    results = []
+    for i, (delay, interval) in enumerate(((0.0, 0.02), (-1.0, 0.25), (0.0, 0.02))):
+        kernel.run(f"%config VramMagics.live = {delay}\n%config VramMagics.live_interval = {interval}")
+        kernel.run("opt.zero_grad(set_to_none=True)\nopt.state.clear()\ntorch.manual_seed(0)")
+        out = kernel.run(TRAIN.format(name=f"r_same{i}", steps=12, pause=0.05))
+        assert out["reply"]["status"] == "ok"
+        updates = [d for _, _, _, d in displays(out["messages"]) if "vram-live" in d.get("text/html", "")]
+        if delay >= 0:
+            assert len(updates) >= 10, f"the live view ran ({len(updates)} updates)"
+        else:
+            assert updates == []
+        results.append(kernel.value(f"_split(r_same{i})"))
+    kernel.run("%config VramMagics.live = 1.0\n%config VramMagics.live_interval = 0.25")
+    assert results[0] == results[1] == results[2]
+    assert results[0]["peak"]["optimizer_state"] > 0 and results[0]["peak"]["activations"] > 0
+
+
+def test_watch_keeps_updating_while_other_cells_run(kernel: Kernel) -> None:
+    start = kernel.run("%vram watch cpu --interval 0.2")
+    shown = displays(start["messages"])
+    assert shown and "vram-watch" in shown[0][3]["text/html"]
+    watch_id = shown[0][2]
+    # another cell runs (and, after a while, fills 128 MiB); the monitor is redrawn from its thread meanwhile
+    other = kernel.run("time.sleep(0.8)\nbig = torch.ones(32 * 2**20)\ntime.sleep(1.5)\ndel big")
+    during = [(t, d) for t, kind, did, d in displays(other["messages"]) if did == watch_id]
+    assert len(during) >= 6, f"{len(during)} redraws of the monitor during a 2.3 s cell"
+    rss = [_bytes(re.search(r"process RSS ([\d.]+ \w+)", d["text/plain"]).group(1)) for _, d in during]
+    assert rss[-1] - rss[0] >= 100 * 2**20, f"process RSS followed the 128 MiB tensor: {rss}"
+    stop = kernel.run("%vram watch off")
+    final = [d for _, kind, did, d in displays(stop["messages"]) if did == watch_id]
+    assert final and "stopped" in final[-1]["text/plain"]
+    time.sleep(0.6)
+    later = kernel.run("1 + 1")
+    assert not [d for _, _, did, d in displays(later["messages"]) if did == watch_id], "no redraw once stopped"
