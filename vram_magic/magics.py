@@ -9,8 +9,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from IPython.display import display
-from traitlets import Bool, Int
+from traitlets import Bool, Float, Int
 
 from .session import Session
 from .units import parse_size
@@ -25,7 +24,9 @@ _LINE_HELP = (
     "%vram budget SIZE|off simulate a device of SIZE (e.g. 4GiB) for the following cells\n"
     "%vram save PATH [N]   write cell N's (default: last) allocation history as a PyTorch snapshot pickle\n"
     "%vram export PATH     write the history as .csv or .json\n"
-    "%vram reset           forget the history"
+    "%vram reset           forget the history\n"
+    "%vram watch [DEV] [--interval S]  a standing monitor of the device's memory, updated while cells run\n"
+    "%vram watch off       stop it"
 )
 
 
@@ -41,7 +42,12 @@ class VramMagics(Magics):
     """Settings (``%config VramMagics.history_size = 50``) are traitlets."""
 
     history_size = Int(200, help="How many measured cells the history keeps.").tag(config=True)
-    widget = Bool(True, help="Show the ipywidgets view (else HTML and text only).").tag(config=True)
+    widget = Bool(False, help="Also show reports as an ipywidgets view (its saved output needs the notebook's widget "
+                  "state; the static HTML report is always there).").tag(config=True)
+    live = Float(1.0, help="Seconds a measured cell runs before its live view appears (negative: no live view)."
+                 ).tag(config=True)
+    live_interval = Float(0.25, help="Seconds between two updates of the live view and of %vram watch.").tag(
+        config=True)
     record_sites = Bool(True, help="Record the user code line of each allocation (timeline, peak sites).").tag(
         config=True)
 
@@ -95,12 +101,16 @@ class VramMagics(Magics):
         __tracebackhide__ = True  # noqa: F841  (IPython hides this frame in tracebacks)
         error: BaseException | None = None
         value: Any = None
+        live = None if args.quiet else _start_live(self)
         try:
             value = self._execute(cell)
         except BaseException as exc:
             error = exc
+            _traceback_from_cell(exc, self.shell)
             raise
         finally:
+            if live is not None:
+                live.stop()  # before the measurement ends: the report is built as without it
             report = self.session.finish(error)
             if args.output and report is not None:
                 self.shell.user_ns[args.output] = report
@@ -109,8 +119,10 @@ class VramMagics(Magics):
             if value is not None:  # the cell's own result, as without the magic
                 self.shell.displayhook(value)
                 value = None
+            if live is not None and (args.quiet or report is None):
+                live.finish(None)
             if not args.quiet and report is not None:
-                self._show(report, timeline=args.timeline)
+                self._show(report, timeline=args.timeline, live=live)
         return None
 
     def _cell_number(self) -> int:
@@ -143,16 +155,10 @@ class VramMagics(Magics):
             return self.shell.loop_runner(eval(code, ns))
         return eval(code, ns)
 
-    def _show(self, report: Any, timeline: bool = False) -> None:
-        from .render.widget import report_bundle
+    def _show(self, report: Any, timeline: bool = False, live: Any = None) -> None:
+        from .live import show_report
 
-        display(report_bundle(report, widget=self.widget and _has_kernel(self.shell)), raw=True)
-        if timeline:
-            from IPython.display import Image
-
-            from .render.timeline import figure_png
-
-            display(Image(figure_png(report.timeline())))
+        show_report(self, report, timeline=timeline, live=live)
 
     # --- %vram subcommands -----------------------------------------------------------------------
     def _line(self, line: str) -> Any:
@@ -174,6 +180,13 @@ class VramMagics(Magics):
                     raise UsageError("usage: %vram auto on|off")
                 self.set_auto(rest[0] == "on")
                 print(f"%vram auto {rest[0]}: {'every cell is measured' if self._auto else 'cells are not measured'}")
+                return None
+            if cmd == "watch":
+                from .watch import watch_command
+
+                message = watch_command(self, rest)
+                if message:
+                    print(message)
                 return None
             if cmd == "reset":
                 self.session.reset()
@@ -223,6 +236,7 @@ class VramMagics(Magics):
         self._auto_skip = raw.startswith("%%vram") or raw.startswith("%vram") or self.session.active is not None
         if not self._auto_skip:
             self.session.start(cell=self._cell_number(), source=raw)
+            self._auto_live = _start_live(self)
 
     def _post_run_cell(self, result: Any) -> None:
         if self._auto_skip or self.session.active is None:
@@ -230,9 +244,14 @@ class VramMagics(Magics):
         count = getattr(result, "execution_count", None)
         if count is not None:  # exact here; in pre_run_cell IPython 9 has already counted the next cell
             self.session.active.cell = count
+        live, self._auto_live = getattr(self, "_auto_live", None), None
+        if live is not None:
+            live.stop()
         report = self.session.finish(result.error_in_exec)
+        if report is None and live is not None:
+            live.finish(None)
         if report is not None:
-            self._show(report)
+            self._show(report, live=live)
 
     # --- %vram_estimate --------------------------------------------------------------------------
     @line_magic
@@ -243,6 +262,9 @@ class VramMagics(Magics):
         return run_estimate_magic(self, line)
 
     def close(self) -> None:
+        from .watch import stop_watch
+
+        stop_watch(self)
         self.set_auto(False)
         self.session.close()
 
@@ -255,6 +277,27 @@ def _devices() -> list[str]:
 
 def _has_kernel(shell: Any) -> bool:
     return getattr(shell, "kernel", None) is not None
+
+
+def _start_live(magics: VramMagics) -> Any:
+    """The live view of the cell being measured (None where there is no frontend, or it is off)."""
+    try:
+        from .live import start_for_cell
+
+        return start_for_cell(magics)
+    except Exception as err:  # the cell runs and is measured without it
+        import warnings
+
+        warnings.warn(f"vram_magic could not start the live view ({type(err).__name__}: {err})", RuntimeWarning,
+                      stacklevel=3)
+        return None
+
+
+def _traceback_from_cell(exc: BaseException, shell: Any) -> None:
+    """Show the cell's traceback from its own code, without IPython's ``run_cell_magic`` line."""
+    from .render.traceback import start_at_cell
+
+    start_at_cell(exc, shell)
 
 
 _EXT_KEY = "_vram_magic_extension"
