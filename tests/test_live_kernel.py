@@ -9,6 +9,7 @@ replaces it on each ``update_display_data`` with that id, so these messages are 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import time
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow
 class Kernel:
     def __init__(self) -> None:
         self.km = jupyter_client.KernelManager(kernel_name="python3")
-        self.km.start_kernel(env={"OMP_NUM_THREADS": "1", "PATH": __import__("os").environ.get("PATH", "")})
+        self.km.start_kernel(env={**os.environ, "OMP_NUM_THREADS": "1"})
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
