@@ -149,3 +149,92 @@ def profiled_cpu_peak(prof: torch.profiler.profile) -> int:
         stack.extend(node.children)
     events.sort()
     return max(total for _, _, total in events) - (events[0][2] - events[0][1])
+
+
+# --- Hugging Face models, built from configs (no download) ----------------------------------------------------
+def _hf():
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def hf_gpt2(layers: int = 4, width: int = 256, use_cache: bool = True) -> nn.Module:
+    t = _hf()
+    return t.GPT2LMHeadModel(t.GPT2Config(n_layer=layers, n_embd=width, n_head=4, vocab_size=8000, n_positions=1024,
+                                          use_cache=use_cache))
+
+
+def hf_llama() -> nn.Module:
+    t = _hf()
+    return t.LlamaForCausalLM(t.LlamaConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=688,
+                                            num_attention_heads=8, num_key_value_heads=2, vocab_size=8000,
+                                            max_position_embeddings=1024))
+
+
+def hf_bert() -> nn.Module:
+    t = _hf()
+    return t.BertForMaskedLM(t.BertConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=1024,
+                                          num_attention_heads=4, vocab_size=8000, max_position_embeddings=512))
+
+
+def hf_t5() -> nn.Module:
+    t = _hf()
+    return t.T5ForConditionalGeneration(t.T5Config(num_layers=4, num_decoder_layers=4, d_model=256, d_ff=1024,
+                                                   num_heads=4, d_kv=64, vocab_size=8000, decoder_start_token_id=0,
+                                                   pad_token_id=0))
+
+
+def hf_lora() -> nn.Module:
+    import peft
+
+    return peft.get_peft_model(hf_llama(), peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"],
+                                                             lora_dropout=0.0))
+
+
+def hf_unet() -> nn.Module:
+    import diffusers
+
+    return diffusers.UNet2DConditionModel(
+        sample_size=32, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(64, 128),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=64, attention_head_dim=8, norm_num_groups=16)
+
+
+def text_batch(batch: int = 8, seq: int = 256, t5: bool = False) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 8000, (batch, seq), generator=g)
+    labels = torch.randint(0, 8000, (batch, seq // 2), generator=g) if t5 else ids.clone()
+    return {"input_ids": ids, "attention_mask": torch.ones(batch, seq, dtype=torch.long), "labels": labels}
+
+
+def unet_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"sample": torch.randn(4, 4, 32, 32, generator=g), "timestep": torch.tensor([10, 20, 30, 40]),
+            "encoder_hidden_states": torch.randn(4, 16, 64, generator=g)}
+
+
+def unet_loss(out: object) -> torch.Tensor:
+    return out.sample.float().pow(2).mean()  # type: ignore[attr-defined]
+
+
+# name -> (builder, inputs maker, loss_fn or None)
+HF_ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict[str, torch.Tensor]], object]] = {
+    "GPT-2": (hf_gpt2, text_batch, None),
+    "Llama (GQA)": (hf_llama, text_batch, None),
+    "BERT": (hf_bert, text_batch, None),
+    "T5": (hf_t5, lambda: text_batch(t5=True), None),
+    "Llama + LoRA": (hf_lora, text_batch, None),
+    "UNet2DCondition": (hf_unet, unet_batch, unet_loss),
+}
+
+
+def profiled_step_peak(prof: torch.profiler.profile) -> int:
+    """The highest CPU memory in a profile above what was allocated when it started (a profile taken after the
+    model and inputs were built: add their bytes)."""
+    return profiled_cpu_peak(prof)
+
+
+def storage_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes of the distinct storages of ``tensors`` (tied weights once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())

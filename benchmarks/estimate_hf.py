@@ -1,0 +1,162 @@
+"""Accuracy of ``vram_magic.estimate(device="cpu")`` on Hugging Face models (built from configs, no download)
+and on compiled models, against PyTorch's profiler on the real CPU steps. Run::
+
+    .venv/bin/python benchmarks/estimate_hf.py [--models GPT-2,T5] [--no-compiled]
+
+Each real run builds the model and inputs first (their bytes are counted by hand), then runs two AdamW steps
+(or two inference forwards) under the profiler, whose memory timeline sees every allocation. Compiled runs
+are compiled by a first step outside the profiler (Inductor, CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from zoo import HF_ZOO, hf_gpt2, profiled_step_peak, storage_bytes  # noqa: E402
+
+import vram_magic  # noqa: E402
+from vram_magic.estimator.run import default_loss  # noqa: E402
+
+TARGET, COMPILED_TARGET = 0.5, 5.0  # per cent
+MODES = {"training": {}, "inference": {"inference": True}, "checkpointing": {"checkpointing": True},
+         "bf16 autocast": {"amp": torch.bfloat16}}
+
+
+def real_peak(build, make_inputs, loss_fn=None, *, inference=False, amp=None, checkpointing=False,
+              compiled=False) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model, inputs = build(), make_inputs()
+    loss_fn = loss_fn or default_loss
+    run = torch.compile(model) if compiled else model
+    if checkpointing:
+        (getattr(model, "enable_gradient_checkpointing", None) or model.gradient_checkpointing_enable)()
+    if compiled:  # compile the forward and the backward before measuring
+        loss_fn(run(**inputs)).backward()
+        for p in model.parameters():
+            p.grad = None
+    base = storage_bytes(*model.parameters(), *model.buffers(), *inputs.values())
+    cast = torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        if inference:
+            model.eval()
+            for _ in range(2):
+                with torch.inference_mode(), cast:
+                    out = run(**inputs)
+                del out
+        else:
+            model.train()
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False)
+            for _ in range(2):
+                with cast:
+                    out = run(**inputs)
+                    loss = loss_fn(out)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                del out, loss
+    return base + profiled_step_peak(prof)
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, 2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class NanoGPT(nn.Module):
+    """GPT-2's shape written by hand: tied head, the loss computed inside the model."""
+
+    def __init__(self, vocab: int = 8000, d: int = 256, layers: int = 4, heads: int = 4) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(1024, d)
+        self.blocks = nn.ModuleList(GPTBlock(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), labels.flatten())
+
+
+def _ids(batch: int = 8, seq: int = 256) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 8000, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.roll(-1, 1)}
+
+
+COMPILED = {
+    "GPT-2 (transformers)": (lambda: hf_gpt2(use_cache=False), _ids, None),
+    "GPT-2 shape, by hand": (NanoGPT, _ids, lambda out: out),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(HF_ZOO))
+    p.add_argument("--no-compiled", action="store_true")
+    args = p.parse_args(argv)
+    warnings.simplefilter("ignore")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; AdamW, 2 steps, device='cpu'; profiler peak "
+          f"of the real step; target ±{TARGET:g} % (compiled: ±{COMPILED_TARGET:g} %)")
+    print(f"{'model':<18}{'params':>8}  {'mode':<15}{'profiler peak':>14}{'estimate':>12}{'error':>9}{'est. time':>11}")
+    worst = 0.0
+    for name in [n.strip() for n in args.models.split(",") if n.strip()]:
+        build, make_inputs, loss_fn = HF_ZOO[name]
+        for mode, kwargs in MODES.items():
+            t = time.perf_counter()
+            est = vram_magic.estimate(build, make_inputs, device="cpu", loss_fn=loss_fn, **kwargs)
+            took = time.perf_counter() - t
+            real = real_peak(build, make_inputs, loss_fn, **kwargs)
+            err = 100.0 * (est.peak.total - real) / real
+            worst = max(worst, abs(err))
+            print(f"{name:<18}{est.parameters / 1e6:>7.2f}M  {mode:<15}{real / 2**20:>10.2f} MiB"
+                  f"{est.peak.total / 2**20:>8.2f} MiB{err:>+8.2f}%{took:>9.2f} s"
+                  + ("  PARTIAL" if est.partial else ""))
+    print(f"worst |error|: {worst:.2f} % ({'meets' if worst <= TARGET else 'MISSES'} the {TARGET:g} % target)")
+    ok = worst <= TARGET
+    if not args.no_compiled:
+        print(f"\ncompiled (torch.compile, Inductor on the CPU), training, batch 8 x 256\n{'model':<22}{'params':>8}"
+              f"{'real compiled':>15}{'estimate':>12}{'error':>9}{'eager estimate':>16}{'error':>9}{'est. time':>11}")
+        for name, (build, make_inputs, loss_fn) in COMPILED.items():
+            t = time.perf_counter()
+            est = vram_magic.estimate(lambda build=build: torch.compile(build()), make_inputs, device="cpu",
+                                      loss_fn=loss_fn)
+            took = time.perf_counter() - t
+            eager = vram_magic.estimate(build, make_inputs, device="cpu", loss_fn=loss_fn)
+            real = real_peak(build, make_inputs, loss_fn, compiled=True)
+            err = 100.0 * (est.peak.total - real) / real
+            eerr = 100.0 * (eager.peak.total - real) / real
+            ok = ok and abs(err) <= COMPILED_TARGET
+            print(f"{name:<22}{est.parameters / 1e6:>7.2f}M{real / 2**20:>11.2f} MiB{est.peak.total / 2**20:>8.2f} MiB"
+                  f"{err:>+8.2f}%{eager.peak.total / 2**20:>12.2f} MiB{eerr:>+8.2f}%{took:>9.2f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
