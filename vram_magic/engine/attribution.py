@@ -12,6 +12,7 @@ left out by a bound, is named in the scan's notes.
 from __future__ import annotations
 
 import re
+import sys
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 
 from .registry import LiveStorages
 from .tensors import grad, grad_fn, storage_parts
+from .tracker import FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, FSDP_UNSHARDED, FSDP_UNSHARDED_GRADS
 
 _IPYTHON_NAMES = frozenset(
     {"In", "Out", "_ih", "_oh", "_dh", "_i", "_ii", "_iii", "exit", "quit", "get_ipython", "__builtins__",
@@ -95,6 +97,7 @@ class _Walker:
         self.count = 0  # objects visited, scalars included (a list of a million floats costs its length)
         self.unread: list[str] = []
         self.skipped: dict[str, int] = {}  # container name -> items left out by the object bound
+        self.fsdp: dict[int, tuple[str, Any]] = {}  # id(FSDP state) -> (module name, state)
 
     # --- collect -------------------------------------------------------------------------------
     def visit(self, name: str, obj: Any, depth: int, cache: bool = False) -> None:
@@ -223,6 +226,11 @@ class _Walker:
                 params.extend((p, name) for group in opt.param_groups for p in group.get("params", ()))
             except Exception as err:
                 self._unread(name, err)
+        for name, state in self.fsdp.values():  # before parameters: an unsharded parameter is FSDP's buffer
+            try:
+                self._fsdp_buffers(name, state)
+            except Exception as err:
+                self._unread(f"the FSDP state of {name}", err)
         grads: list[tuple[Any, str]] = []
         self._claim_all(params, "parameters", grads=grads)
         self._claim_all(grads, "gradients")
@@ -264,8 +272,14 @@ class _Walker:
                 buffers: list[tuple[Any, str]]) -> None:
         # straight from each submodule's dicts: much cheaper than parameters()/buffers() generators
         subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
+        fsdp = _FSDP in sys.modules  # no FSDP module can exist before PyTorch's FSDP2 is imported
         for subname, sub in subs:
             names.setdefault(id(sub), subname)
+            if fsdp:
+                get_state = getattr(type(sub), "_get_fsdp_state", None)
+                if get_state is not None:
+                    state = get_state(sub)
+                    self.fsdp.setdefault(id(state), (name, state))
             for p in sub._parameters.values():
                 if p is not None:
                     params.append((p, name))
@@ -273,6 +287,38 @@ class _Walker:
                 for b in sub._buffers.values():
                     if b is not None:
                         buffers.append((b, name))
+
+    def _fsdp_buffers(self, name: str, state: Any) -> None:
+        """What FSDP2 holds beside the sharded parameters: each unit's unsharded parameters (all-gather outputs,
+        empty while resharded), an all-gather in flight, reduce-scatter inputs kept until their collective ends,
+        gradients accumulated unsharded (no reduce-scatter between micro-batches)."""
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # PyTorch before grouped fully_shard
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [group] if group is not None else []
+        for group in groups:
+            for fp in group.fsdp_params:
+                sharded = fp.__dict__.get("sharded_param")  # named after the module even when only an optimizer
+                if isinstance(sharded, torch.Tensor):  # holds it (the module holds the unsharded one)
+                    self.claim(sharded, "parameters", name, name)
+                inner = getattr(fp, "_unsharded_inner_tensors", None) or []
+                for t in list(getattr(fp, "all_gather_outputs", ())) + list(inner):
+                    self.claim(t, FSDP_UNSHARDED[0], FSDP_UNSHARDED[1], name)
+                unsharded = fp.__dict__.get("_unsharded_param")
+                if unsharded is not None:
+                    self.claim(unsharded, FSDP_UNSHARDED[0], FSDP_UNSHARDED[1], name)
+                acc = fp.__dict__.get("unsharded_accumulated_grad")
+                if isinstance(acc, torch.Tensor):
+                    self.claim(acc, FSDP_UNSHARDED_GRADS[0], FSDP_UNSHARDED_GRADS[1], name)
+            result = getattr(group, "_all_gather_result", None)
+            out = getattr(result, "all_gather_output", None)
+            if isinstance(out, torch.Tensor):
+                self.claim(out, FSDP_ALL_GATHER[0], FSDP_ALL_GATHER[1], name)
+        comm = getattr(state, "_comm_ctx", None)
+        for rs in list(getattr(comm, "reduce_scatter_states", None) or ()):
+            t = getattr(rs, "reduce_scatter_input", None)
+            if isinstance(t, torch.Tensor):
+                self.claim(t, FSDP_REDUCE_SCATTER[0], FSDP_REDUCE_SCATTER[1], name)
 
     def _notes(self) -> None:
         notes = self.scan.notes
@@ -283,6 +329,9 @@ class _Walker:
             what = ", ".join(f"{n} ({k:,} items)" for n, k in list(self.skipped.items())[:_MAX_NOTES])
             notes.append(f"the scan stopped after {MAX_OBJECTS:,} objects and did not look into {what}; memory only "
                          "they hold counts as unattributed")
+
+
+_FSDP = "torch.distributed.fsdp._fully_shard._fully_shard"
 
 
 def _key(k: Any) -> str:
@@ -326,7 +375,11 @@ def _saved_names(node: Any) -> tuple[str, ...]:
     names = _saved_attrs.get(type(node))
     if names is None:
         names = tuple(a for a in dir(node) if a.startswith("_saved_"))
-        if hasattr(node, "saved_tensors"):  # custom autograd.Function
+        try:
+            custom = hasattr(node, "saved_tensors")  # custom autograd.Function
+        except RuntimeError:  # a custom Function's node after backward has freed what it saved
+            custom = True
+        if custom:
             names += ("saved_tensors",)
         _saved_attrs[type(node)] = names
     return names

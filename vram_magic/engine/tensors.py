@@ -25,10 +25,11 @@ def storage_parts(t: Any, depth: int = 0) -> list[tuple[Any, str]] | None:
                 and getattr(cls, "__tensor_flatten__", None) is not None and is_wrapper(t):
             names, _ = t.__tensor_flatten__()
             out: list[tuple[Any, str]] = []
+            own = wrapper_kind(t, cls)
             for name in names:
                 inner = getattr(t, name, None)
                 if isinstance(inner, torch.Tensor):
-                    out.extend((s, kind or cls.__name__) for s, kind in storage_parts(inner, depth + 1) or ())
+                    out.extend((s, kind or own) for s, kind in storage_parts(inner, depth + 1) or ())
             return out
         layout = t.layout
         if layout == torch.strided:
@@ -44,6 +45,22 @@ def storage_parts(t: Any, depth: int = 0) -> list[tuple[Any, str]] | None:
         return [p for part in parts for p in storage_parts(part, depth + 1) or ()]
     except Exception:  # a subclass that raises on access
         return None
+
+
+def wrapper_kind(t: Any, cls: type) -> str:
+    """What a wrapper subclass's parts are called in a report: a ``DTensor`` sharded across ranks (FSDP2's
+    parameters, their gradients and optimizer state) holds only its rank's shard, and says so; others go by
+    their class name."""
+    if cls.__name__ == "DTensor":
+        try:
+            placements = t.placements
+            if any(p.is_shard() for p in placements):
+                return "sharded"
+            if all(p.is_replicate() for p in placements):
+                return "replicated"
+        except Exception:
+            pass
+    return cls.__name__
 
 
 def is_wrapper(t: Any) -> bool:

@@ -33,6 +33,20 @@ _Parameter = torch.nn.Parameter
 _FRESH = frozenset(op for op in (getattr(torch.ops.aten, "lift_fresh", None),) if op is not None) | frozenset(
     op.default for op in (getattr(torch.ops.aten, "lift_fresh", None),) if op is not None)
 
+# PyTorch's named scopes (``torch.profiler.record_function``) pass through dispatch as these two ops; FSDP2 wraps
+# its collectives in scopes named ``FSDP::…``, which is how its buffers are told from the model's memory.
+_SCOPE_ENTER = getattr(getattr(torch.ops.profiler, "_record_function_enter_new", None), "default", None)
+_SCOPE_EXIT = getattr(getattr(torch.ops.profiler, "_record_function_exit", None), "_RecordFunction", None)
+FSDP_ALL_GATHER = ("other", "FSDP all-gather buffers")
+FSDP_REDUCE_SCATTER = ("other", "FSDP reduce-scatter buffers")
+FSDP_UNSHARDED = ("other", "FSDP unsharded parameters (all-gathered)")
+FSDP_UNSHARDED_GRADS = ("gradients", "FSDP unsharded gradients (before reduce-scatter)")
+
+
+def _fsdp_role(scope: str) -> tuple[str, str]:
+    return FSDP_REDUCE_SCATTER if "reduce" in scope or "rs_wait" in scope else FSDP_ALL_GATHER
+
+
 # Allocation phases, stored per allocation.
 CELL, FORWARD, BACKWARD, OPTIMIZER, INFERENCE = 0, 1, 2, 3, 4
 PHASE_NAMES = ("cell", "forward", "backward", "optimizer", "inference")  # inference: forward without grad
@@ -93,6 +107,10 @@ class Tracker(TorchDispatchMode):
         self.phase_bytes = [0] * len(PHASE_NAMES)
         self.initial_freed: dict[int, int] = {}
         self.last_phase = CELL
+        # named scopes open now, innermost last: (FSDP's role for what is made inside it or None, the serial it
+        # started at); scopes close in the order they opened (the handle an exit receives is a new Python object)
+        self._scopes: list[tuple[tuple[str, str] | None, int]] = []
+        self._fsdp_scopes = 0
 
     # --- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> Tracker:
@@ -106,6 +124,7 @@ class Tracker(TorchDispatchMode):
             mod.register_module_forward_pre_hook(self._mod_pre),
             mod.register_module_forward_hook(self._mod_post, always_call=True),
         ]
+        _watch_resizes(self)
         try:
             return super().__enter__()
         except BaseException:
@@ -119,6 +138,7 @@ class Tracker(TorchDispatchMode):
             self._remove_hooks()
 
     def _remove_hooks(self) -> None:
+        _unwatch_resizes(self)
         for h in self._hooks:
             try:
                 h.remove()
@@ -133,9 +153,11 @@ class Tracker(TorchDispatchMode):
         if self.record_sites and self._optimizer_depth == 1 and not _user_step(optimizer):
             # PyTorch's own step: every allocation it makes has the site of the line that called it
             self._site = user_site(sys._getframe(1))
-        # The gradients the step reads: remembered as gradients even if zero_grad frees them in this cell.
+        # The parameters and the gradients the step reads: remembered as such even if they are freed before the
+        # end of the block (zero_grad; a rank's function that returns before its measurement ends).
         for group in optimizer.param_groups:
             for p in group.get("params", ()):
+                self._note_role(p, "parameters", optimizer)
                 if p.grad is not None:
                     self._note_role(p.grad, "gradients", optimizer)
 
@@ -150,6 +172,15 @@ class Tracker(TorchDispatchMode):
                         self._note_role(v, "optimizer_state", optimizer)
 
     def _note_role(self, t: torch.Tensor, category: str, owner: Any) -> None:
+        cls = type(t)
+        if cls is not _Tensor and cls is not _Parameter and is_wrapper(t):  # a DTensor's shard, a quantized tensor
+            from .tensors import storage_parts
+
+            for storage, kind in storage_parts(t) or ():
+                entry = self._lookup(id(storage))
+                if entry is not None:
+                    self.roles[entry.serial] = (category, f"{kind} {category.replace('_', ' ')}")
+            return
         try:
             entry = self._lookup(id(t.untyped_storage()))
         except (RuntimeError, NotImplementedError):
@@ -181,6 +212,10 @@ class Tracker(TorchDispatchMode):
         record = self.allocs.get(entry.serial)
         if record is not None:
             self.phase_bytes[record[1]] -= entry.size
+            if self._fsdp_scopes and record[1] == BACKWARD and self._scopes[-1][0] is FSDP_REDUCE_SCATTER \
+                    and entry.serial < self._scopes[-1][1]:
+                # made by backward, dropped by FSDP's reduce-scatter once copied in: a unit's unsharded gradients
+                self.roles.setdefault(entry.serial, FSDP_UNSHARDED_GRADS)
         else:
             self.initial_freed[entry.serial] = entry.size
         if len(self.events) < self.max_events:
@@ -353,8 +388,13 @@ class Tracker(TorchDispatchMode):
             self._resizing[func] = hit
         return hit
 
-    def _skips(self, func: Any) -> bool:
-        """Ops whose every output aliases an input and cannot grow its storage (in-place ops, views)."""
+    def _skips(self, func: Any) -> Any:
+        """Ops whose every output aliases an input and cannot grow its storage (in-place ops, views); the scope
+        ops are skipped too, with their handler in place of ``True``."""
+        if func is _SCOPE_ENTER or func is _SCOPE_EXIT:
+            hit: Any = self._scope_enter if func is _SCOPE_ENTER else self._scope_exit
+            self._skipping[func] = hit
+            return hit
         try:
             returns = func._schema.returns
             hit = bool(returns) and all(r.alias_info is not None for r in returns) and not self._resizes(func) \
@@ -373,6 +413,45 @@ class Tracker(TorchDispatchMode):
                 hit = False
             self._aliasing[func] = hit
         return hit
+
+    # --- FSDP's collectives and storages resized in place ------------------------------------------
+    def _scope_enter(self, args: Any, out: Any) -> None:
+        name = args[0] if args else None
+        if isinstance(name, str) and name.startswith("FSDP::"):
+            self._scopes.append((_fsdp_role(name), self.registry.next_serial()))
+            self._fsdp_scopes += 1
+        else:
+            self._scopes.append((None, 0))
+
+    def _scope_exit(self, args: Any, out: Any) -> None:
+        if not self._scopes:
+            return  # a scope opened before the block began
+        role, first = self._scopes.pop()
+        if role is None:
+            return
+        self._fsdp_scopes -= 1
+        # what was made inside the scope and is freed before the block ends counts as the collective's buffer
+        # (the innermost scope names it; memory still alive at the end is named by the namespace scan)
+        roles, allocs = self.roles, self.allocs
+        for serial in range(first + 1, self.registry.next_serial()):
+            if serial in allocs and serial not in roles:
+                roles[serial] = role
+
+    def _storage_resized(self, storage: Any) -> None:
+        """A storage resized by ``UntypedStorage.resize_``, outside dispatch: FSDP frees a unit's unsharded
+        parameters so (size 0) after its forward and backward, and allocates them again before the next use."""
+        entry = self._lookup(id(storage))
+        if entry is None or entry.device != self.device:
+            return
+        size = storage.nbytes() if self._cpu else storage_size(storage, self.device)
+        if size == entry.size:
+            return
+        fsdp = self._fsdp_scopes > 0
+        if fsdp:  # first made by torch.empty inside FSDP's all-gather scope: it is the unit's unsharded parameters
+            self.roles[entry.serial] = FSDP_UNSHARDED
+        self._resized(entry, size)
+        if fsdp:
+            self.roles[entry.serial] = FSDP_UNSHARDED
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -393,6 +472,8 @@ class Tracker(TorchDispatchMode):
         if skip is None:
             skip = self._skips(func)
         if skip:
+            if skip is not True:  # a named scope opens or closes
+                skip(args, out)
             return out
         # _see_outputs, inlined: this runs once per op
         if isinstance(out, torch.Tensor):
@@ -410,6 +491,42 @@ class Tracker(TorchDispatchMode):
             for o in out:
                 if isinstance(o, torch.Tensor):
                     self._see(o, func)
+
+
+# ``UntypedStorage.resize_`` is a method of the storage object, not an op: dispatch never sees it. While a tracker
+# is active it is wrapped (once, whatever the number of trackers) so that each active tracker hears of it.
+_resize_watchers: list[Tracker] = []
+_resize_original: Any = None
+
+
+def _resize_(self: Any, size: int) -> Any:
+    out = _resize_original(self, size)
+    for tracker in list(_resize_watchers):
+        try:
+            tracker._storage_resized(self)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception:  # a storage we cannot read: its old size stays counted
+            pass
+    return out
+
+
+def _watch_resizes(tracker: Tracker) -> None:
+    global _resize_original
+    if not _resize_watchers:
+        _resize_original = torch.UntypedStorage.resize_
+        torch.UntypedStorage.resize_ = _resize_  # type: ignore[method-assign]
+    _resize_watchers.append(tracker)
+
+
+def _unwatch_resizes(tracker: Tracker) -> None:
+    global _resize_original
+    if tracker in _resize_watchers:
+        _resize_watchers.remove(tracker)
+        if not _resize_watchers:
+            if torch.UntypedStorage.__dict__.get("resize_") is _resize_:
+                del torch.UntypedStorage.resize_
+            _resize_original = None
 
 
 _user_steps: dict[type, bool] = {}
