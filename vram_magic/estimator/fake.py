@@ -178,6 +178,8 @@ class ModelSource:
                 raise TypeError(f"the model builder returned {type(built).__name__}, not an nn.Module")
             parts = compiled_parts(built)
             built = strip(built) if parts else built
+            if not self.name.isidentifier():  # a lambda: name the estimate after what it built
+                self.name = type(built).__name__
             _normalise(built, mode, dtype)
             return built, parts
         model = self.module()

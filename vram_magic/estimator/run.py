@@ -318,10 +318,12 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     sizes.update(tracer.late)
     made = tracer.made
     module: dict[int, str] = {}
+    root = names.get(id(model), "")  # the model's own forward, outside its children: not a child's path
+    own = f"({root}.forward itself)"
     for serial, record in tracer.allocs.items():  # (size, phase, site, ...) as the engine records it
         sizes[serial] = record[0]
         stage, mod, recompute = made.get(serial, (SETUP, "", False))
-        module[serial] = mod
+        module[serial] = own if mod == root and mod else mod
         if serial in owner:
             continue
         if stage in (FORWARD, LOSS):
