@@ -31,14 +31,15 @@ _CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache", "pa
 
 @contextlib.contextmanager
 def estimating() -> Iterator[None]:
-    """While a step is estimated: fake tensors with known values are not *tracing* for transformers, and
-    fake modules convert with ``.to``."""
-    with _fake_modules_convert(), _not_tracing():
+    """While a model is built and estimated: fake modules convert with ``.to``."""
+    with _fake_modules_convert():
         yield
 
 
 @contextlib.contextmanager
-def _not_tracing() -> Iterator[None]:
+def not_tracing() -> Iterator[None]:
+    """While the step runs: fake tensors with known values are not *tracing* for transformers (entered after
+    the model is built, so a builder that imports transformers itself is covered)."""
     utils = sys.modules.get("transformers.utils.import_utils")
     original = getattr(utils, "is_fake_tensor", None) if utils is not None else None
     if original is None:

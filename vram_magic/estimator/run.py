@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..engine.registry import LiveStorages
 from .fake import ModelSource, from_specs, resize, size_of, to_specs
-from .frameworks import enable_checkpointing, estimating
+from .frameworks import enable_checkpointing, estimating, not_tracing
 from .optimizers import is_fused, make_optimizer
 from .options import Options
 from .tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
@@ -256,7 +256,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     problem = None
     amp = torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else contextlib.nullcontext()
     try:
-        with mode, tracer, _compiled_step(bool(compiled), tracer):
+        with mode, tracer, _compiled_step(bool(compiled), tracer), not_tracing():
             for step in range(opts.steps):
                 last = step == opts.steps - 1
                 if last:
