@@ -124,3 +124,11 @@ def test_estimating_never_uses_up_the_users_recompile_limit():
     for _ in range(3):
         vram_magic.estimate(compiled, inputs, device="cpu", inference=True)
     assert len(_get_cache_entries_for_region(GPT.forward, -1)) == before
+
+
+def test_every_what_if_row_runs_on_a_compiled_model():
+    # each row compiles its own fake copy; other batch sizes must not turn the compile dynamic
+    est = vram_magic.estimate(torch.compile(GPT(layers=1)), batch(), device="cpu", what_if=True)
+    failed = [s for s in est.strategies if s.note.startswith("could not run")]
+    assert not failed, failed
+    assert len(est.strategies) > 8

@@ -74,10 +74,11 @@ def strip(model: nn.Module) -> nn.Module:
 def _compile(target: Any, backend: Any) -> Any:
     # Its own region of TorchDynamo's cache: what the estimate compiles never counts against the recompile
     # limit of the user's own compiled model (which would fall back to eager)
+    # (static shapes: an estimate runs one shape, and what-ifs at other batches must not turn it dynamic)
     try:
-        return torch.compile(target, backend=backend, isolate_recompiles=True)
+        return torch.compile(target, backend=backend, dynamic=False, isolate_recompiles=True)
     except TypeError:  # a PyTorch without isolated regions
-        return torch.compile(target, backend=backend)
+        return torch.compile(target, backend=backend, dynamic=False)
 
 
 def recompile(model: nn.Module, parts: dict[str, str]) -> Any:
@@ -177,6 +178,13 @@ def _base(node: Any, kinds: dict[Any, str]) -> Any:
     return node
 
 
+def _same_size(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return int(a.untyped_storage().nbytes()) == int(b.untyped_storage().nbytes())
+    except (TypeError, ValueError, RuntimeError):  # symbolic sizes
+        return False
+
+
 def reused_buffers(gm: torch.fx.GraphModule, virtual: set[Any]) -> dict[Any, Any]:
     """``{node: buffer}``: a pointwise kernel that writes its result into a buffer it reads for the last time,
     of the same size and dtype (Inductor's in-place reuse). In a backward graph the saved activations are
@@ -221,7 +229,7 @@ def reused_buffers(gm: torch.fx.GraphModule, virtual: set[Any]) -> dict[Any, Any
                 bval = b.meta.get("val")
                 if (b in kernel or b in taken or b in outputs or not donated(b) or last.get(b, -1) > end
                         or not isinstance(bval, torch.Tensor) or bval.dtype != val.dtype
-                        or bval.untyped_storage().nbytes() != val.untyped_storage().nbytes()):
+                        or not _same_size(bval, val)):
                     continue
                 out[node] = b
                 taken.add(b)
@@ -263,9 +271,12 @@ def deferred_frees(gm: torch.fx.GraphModule, virtual: set[Any], inplace: dict[An
             return not str(b.target).startswith(("primals", "tangents"))
         return allocates(b)
 
-    def key(b: Any) -> tuple[Any, int]:
+    def key(b: Any) -> tuple[Any, Any]:
         val = b.meta["val"]
-        return val.dtype, val.untyped_storage().nbytes()
+        try:
+            return val.dtype, int(val.untyped_storage().nbytes())
+        except (TypeError, ValueError, RuntimeError):  # a symbolic size: never matched
+            return val.dtype, id(b)
 
     pool: dict[tuple[Any, int], list[Any]] = {}
     taken_inplace = set(inplace.values())
