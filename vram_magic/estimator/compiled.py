@@ -5,10 +5,13 @@ the backward instead of saved), fuses chains of pointwise ops into one kernel th
 and frees each buffer as soon as it is used. The estimate compiles the fake model with TorchDynamo and
 AOTAutograd as Inductor does — Inductor's decompositions, its joint-graph passes and its min-cut partitioner
 — but instead of generating kernels it runs the partitioned forward and backward graphs op by op on fake
-tensors: a pointwise result consumed only by pointwise ops and reductions is counted as never written (it
-lives inside a fused kernel), every other value is freed after its last use (the graph's inputs too, as
-Inductor's boxed calling convention allows). Not modelled: Inductor's own choice to materialize a pointwise
-value it would otherwise recompute many times, and its reuse of one buffer for another of the same size.
+tensors, with what Inductor's kernels do to memory on top: a pointwise result consumed only by pointwise ops
+and reductions is never counted (it lives inside a fused kernel); a kernel writes in place into a buffer of
+the same size that it reads for the last time (the saved activations are donated to the backward); a dead
+buffer that a later kernel of the same size takes stays allocated until then (Inductor's memory planning);
+every other value is freed after its last use (the graph's inputs too, as Inductor's boxed calling
+convention allows). Not modelled: the order in which Inductor's scheduler runs kernels (graph order is used),
+and its choice to materialize a pointwise value it would otherwise recompute many times.
 
 The tracker ignores the compiler's own work (``ignore_compile_internals``) and sees the graphs' ops when
 they run.
@@ -24,7 +27,7 @@ from torch import nn
 
 NOTE = ("compiled (torch.compile): activations saved for backward as AOTAutograd's min-cut partitioner decides "
         "them (Inductor's decompositions and joint-graph passes); the partitioned graphs run op by op on fake "
-        "tensors, pointwise chains counted as fused kernels, each value freed after its last use")
+        "tensors, pointwise chains counted as fused kernels, buffers reused as Inductor plans them")
 
 
 def is_compiled(module: Any) -> bool:
