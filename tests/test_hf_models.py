@@ -250,3 +250,11 @@ def test_checkpointing_without_the_models_own_switch_never_writes_a_cache_twice(
 
     est = vram_magic.estimate(Net(), torch.randn(8, 32), device="cpu", checkpointing=True)
     assert any("torch.utils.checkpoint" in n for n in est.notes)
+
+
+def test_estimating_leaves_the_random_generator_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    vram_magic.estimate(gpt2, text_batch, device="cpu", what_if=False)
+    assert torch.equal(torch.rand(3), expected)

@@ -118,12 +118,13 @@ def propagate(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         if isinstance(a, torch.Tensor) and getattr(a, ATTR, None) is None and type(a) is not torch.Tensor:
             _forget_written(func, args)
             return
-    if not _small(out):
+    # random ops never run for real: they would draw from (and advance) the user's random generator
+    if not _small(out) or _RANDOM in getattr(func, "tags", ()):
         _forget_written(func, args)
         return
     tensors_in = _has_tensor(args) or _has_tensor(kwargs)
     if not tensors_in:
-        if _RANDOM in getattr(func, "tags", ()) or not isinstance(out, torch.Tensor):
+        if not isinstance(out, torch.Tensor):
             return
         if "device" in kwargs:
             kwargs = {**kwargs, "device": "cpu"}
@@ -165,6 +166,8 @@ def answer(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[bool, Any]:
     result)`` from the real values when every tensor argument has them, else ``(False, None)``. Tensor
     results come back as fake tensors of the real result's shape (made under the fake mode below the
     caller), carrying the real result as their value."""
+    if _RANDOM in getattr(func, "tags", ()):
+        return False, None
     ok, rargs = _real_args(args)
     ok2, rkwargs = _real_args(kwargs) if ok else (False, None)
     if not (ok and ok2) or not (_has_tensor(args) or _has_tensor(kwargs)):
