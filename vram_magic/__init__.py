@@ -25,6 +25,7 @@ __all__ = [
     "OomInfo",
     "estimate",
     "format_bytes",
+    "gather",
     "load_ipython_extension",
     "measure",
     "parse_size",
@@ -49,6 +50,13 @@ def estimate(*args: Any, **kwargs: Any) -> Any:
     from .estimator import estimate as _estimate
 
     return _estimate(*args, **kwargs)
+
+
+def gather(*args: Any, **kwargs: Any) -> Any:
+    """Every rank's report of a distributed job, on rank 0 (``None`` elsewhere); see :func:`vram_magic.ranks.gather`."""
+    from .ranks.gather import gather as _gather
+
+    return _gather(*args, **kwargs)
 
 
 def load_ipython_extension(ipython: Any) -> None:
