@@ -570,22 +570,28 @@ def leave_mode_stack(mode: TorchDispatchMode) -> None:
         for m in above:
             pd._push_mode(m)
     # the flags our __enter__ saved are the state before us; the modes above saved states that included us
-    names = ("old_dispatch_mode_flags", "old_non_infra_dispatch_mode_flags",
-             "old_without_ignore_compile_internals_dispatch_mode_flags")
-    saved = [getattr(mode, n, None) for n in names]
-    state = [q.pop() if q else False for q in saved if q is not None]
-    if len(state) != len(names):
-        return  # an older PyTorch without these flags: nothing more to restore
-    for m in above:
-        for n, value in zip(names, state):
-            q = getattr(m, n, None)
-            if q:
-                q[-1] = value
-        state = [True, state[1] or not m.is_infra_mode(), state[2] or not m.ignore_compile_internals()]
-    if hasattr(pd, "_is_in_any_mode_without_ignore_compile_internals"):
-        pd._is_in_torch_dispatch_mode = state[0]
-        pd._is_in_non_infra_torch_dispatch_mode = state[1]
-        pd._is_in_any_mode_without_ignore_compile_internals = state[2]
-        setter = getattr(pd, "set_is_in_mode_without_ignore_compile_internals", None)
-        if setter is not None:
-            setter(state[2])
+    for saved, flag, combine in _MODE_FLAGS:
+        ours = getattr(mode, saved, None)
+        if ours is None or not hasattr(pd, flag):
+            continue  # a PyTorch without this flag
+        value = ours.pop() if ours else False
+        for m in above:
+            theirs = getattr(m, saved, None)
+            if theirs:
+                theirs[-1] = value
+            value = combine(m, value)
+        setattr(pd, flag, value)
+        if flag == "_is_in_any_mode_without_ignore_compile_internals":
+            setter = getattr(pd, "set_is_in_mode_without_ignore_compile_internals", None)
+            if setter is not None:
+                setter(value)
+
+
+# (the deque a mode keeps the flag's old values in, the module's flag, how a mode sets the flag on entering)
+_MODE_FLAGS = (
+    ("old_dispatch_mode_flags", "_is_in_torch_dispatch_mode", lambda m, v: True),
+    ("old_non_infra_dispatch_mode_flags", "_is_in_non_infra_torch_dispatch_mode",
+     lambda m, v: v or not getattr(m, "is_infra_mode", lambda: False)()),
+    ("old_without_ignore_compile_internals_dispatch_mode_flags", "_is_in_any_mode_without_ignore_compile_internals",
+     lambda m, v: v or not getattr(m, "ignore_compile_internals", lambda: False)()),
+)
