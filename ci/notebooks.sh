@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # CI notebook stage: the tutorial notebooks
-#   1. execute headless with ipywidgets 7.7 (what Colab ships) in the kernel, and every %%vram output must carry the
-#      widget view and its text fallback (tests/test_notebooks.py, the same test the main suite runs with 8.x);
-#   2. execute with the project's own environment, convert to HTML with the widget state, and open the pages in
-#      headless chromium with the widget manager and require.js served from local copies and every non-local
-#      request blocked: the bars must render. Screenshots go to ci-artifacts/notebooks/.
+#   1. execute headless with ipywidgets 7.7 (what Colab ships) in the kernel: every %%vram and %vram_estimate output
+#      must be the static report (tests/test_notebooks.py, the same test the main suite runs with 8.x), and the live
+#      view and %vram watch must work in a real kernel (tests/test_live_kernel.py);
+#   2. execute with the project's own environment, convert to HTML, plainly and with --sanitize-html, and open the
+#      pages in headless chromium with every non-local request blocked: every report must be there, its bars drawn
+#      to size (plain) or as coloured text bars (sanitized), with no escaped markup. Screenshots go to
+#      ci-artifacts/notebooks/. (The browser stage with JupyterLab and Notebook 7 is ci/ui.sh.)
 #
 # Run from the repository root as `bash ci/notebooks.sh`, with the project's venv at .venv (or PYTHON=...).
 # Installs what it needs (Debian chromium, the npm packages in ci/browser/) on a fresh machine; needs no stdin.
@@ -41,7 +43,7 @@ CHROMIUM=$(command -v chromium)
 echo "$("$CHROMIUM" --version 2>/dev/null | head -1), node $(node --version)"
 
 step "npm packages (ci/browser)"
-if ! (cd ci/browser && node -e 'require.resolve("playwright-core"); require.resolve("requirejs"); require.resolve("@jupyter-widgets/html-manager/package.json")' 2>/dev/null) \
+if ! (cd ci/browser && node -e 'require.resolve("playwright-core")' 2>/dev/null) \
     || [ ci/browser/package-lock.json -nt ci/browser/node_modules/.package-lock.json ]; then
     (cd ci/browser && npm ci --no-audit --no-fund --loglevel=error)
 fi
@@ -68,7 +70,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # --- 1. ipywidgets 7.7 ---------------------------------------------------------------------------------------
 step "notebooks with ipywidgets $(PYTHONPATH=$IPYW7 "$PYTHON" -c 'import ipywidgets; print(ipywidgets.__version__)') (in the background, log in ${ART#"$ROOT"/}/ipywidgets7.log)"
 PYTHONPATH=$IPYW7${PYTHONPATH:+:$PYTHONPATH} VRAM_EXPECT_IPYWIDGETS=7 VRAM_NOTEBOOKS_OUT=$ART/executed-ipywidgets7 \
-    "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_notebooks.py >"$ART/ipywidgets7.log" 2>&1 &
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_notebooks.py tests/test_live_kernel.py \
+    >"$ART/ipywidgets7.log" 2>&1 &
 IPYW7_TEST=$!
 
 # --- 2. real browser -----------------------------------------------------------------------------------------
@@ -76,22 +79,22 @@ step "notebooks with ipywidgets $("$PYTHON" -c 'import ipywidgets; print(ipywidg
 SITE=$ART/site
 mkdir -p "$SITE" "$ART/work"
 cp notebooks/*.ipynb "$ART/work/"   # executed on a copy: the notebooks write files next to themselves
-cp ci/browser/node_modules/@jupyter-widgets/html-manager/dist/* "$SITE/"
-cp ci/browser/node_modules/requirejs/require.js "$SITE/"
-(cd "$ART/work" && "$PYTHON" -m jupyter nbconvert --to html --execute --ExecutePreprocessor.timeout=300 \
-    --ExecutePreprocessor.kernel_name=python3 \
-    --HTMLExporter.widget_renderer_url=embed-amd.js --HTMLExporter.require_js_url=require.js \
-    --output-dir "$SITE" --log-level=WARN ./*.ipynb)
+(cd "$ART/work" && "$PYTHON" -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=300 \
+    --ExecutePreprocessor.kernel_name=python3 --output-dir "$ART/executed" --log-level=WARN ./*.ipynb)
+for nb in "$ART"/executed/*.ipynb; do
+    name=$(basename "${nb%.ipynb}")
+    "$PYTHON" -m jupyter nbconvert --to html "$nb" --output "$name" --output-dir "$SITE" --log-level=WARN
+    "$PYTHON" -m jupyter nbconvert --to html --sanitize-html "$nb" --output "$name-sanitized" --output-dir "$SITE" \
+        --log-level=WARN
+done
 step "waiting for the ipywidgets 7.7 run"
 if ! wait "$IPYW7_TEST"; then
     cat "$ART/ipywidgets7.log"
-    fail "the notebooks failed with ipywidgets 7.7 (log above)"
+    fail "the notebooks or the live view failed with ipywidgets 7.7 (log above)"
 fi
 tail -n 1 "$ART/ipywidgets7.log"
-# The ipywidgets 7.7 notebooks too: their state uses the 1.x widget models, which the same manager must render.
 for nb in "$ART"/executed-ipywidgets7/*.ipynb; do
     "$PYTHON" -m jupyter nbconvert --to html "$nb" --output "$(basename "${nb%.ipynb}")-ipywidgets7" \
-        --HTMLExporter.widget_renderer_url=embed-amd.js --HTMLExporter.require_js_url=require.js \
         --output-dir "$SITE" --log-level=WARN
 done
 

@@ -39,7 +39,8 @@ if ! (cd ci/browser && node -e 'require.resolve("playwright-core")' 2>/dev/null)
     || [ ci/browser/package-lock.json -nt ci/browser/node_modules/.package-lock.json ]; then
     (cd ci/browser && npm ci --no-audit --no-fund --loglevel=error)
 fi
-"$PYTHON" - <<'EOF' || "$PYTHON" -m pip install -q "jupyterlab>=4.2,<5" "notebook>=7.2,<8"
+# JupyterLab and Notebook 7 go into the project's venv (the kernel is that venv's Python): pyproject's "browser" extra
+"$PYTHON" - <<'EOF' || "$PYTHON" -m pip install -q -e ".[browser]"
 import importlib.util, sys
 sys.exit(any(importlib.util.find_spec(m) is None for m in ("jupyterlab", "notebook", "nbconvert")))
 EOF

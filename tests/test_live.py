@@ -112,3 +112,18 @@ def test_polling_never_touches_cuda_on_the_cpu_or_before_initialisation() -> Non
     if not torch.cuda.is_initialized():
         assert polled_allocated("cuda:0") is None
         assert not torch.cuda.is_initialized()
+
+
+def test_a_backend_that_knows_its_numbers_only_at_the_end() -> None:
+    """The allocator backend: no numbers while running; on CUDA the view shows ``memory_allocated`` instead."""
+    from vram_magic.report import LiveStatus
+
+    status = LiveStatus(device="cuda:0", backend="allocator", elapsed=2.5, phase="")
+    text = live_text(status, cell=3)
+    assert text == "%%vram cell 3 · cuda:0 · running 2.5 s · numbers when the cell ends (allocator backend)"
+    html = live_html(status, cell=3, capacity=16 * 2**30)
+    assert "reports its numbers when the cell ends" in html and "vram-bar" not in html
+    polled = live_text(status, cell=3, allocated=3 * 2**30)
+    assert polled.endswith("allocated now 3.00 GiB")
+    html = live_html(status, cell=3, capacity=16 * 2**30, allocated=3 * 2**30)
+    assert 'class="vram-bar"' in html and "3.00\u00a0GiB" in html and "vram-limit" in html  # 3 of 16 GiB: ≥ 15 %

@@ -201,3 +201,32 @@ def test_watch_keeps_updating_while_other_cells_run(kernel: Kernel) -> None:
     time.sleep(0.6)
     later = kernel.run("1 + 1")
     assert not [d for _, _, did, d in displays(later["messages"]) if did == watch_id], "no redraw once stopped"
+
+
+def test_opt_in_widget_view_carries_the_static_report_too(kernel: Kernel) -> None:
+    """``VramMagics.widget = True`` puts an ipywidgets view in front of the report (for ipywidgets 7 and 8,
+    whichever the kernel has); the static HTML and text are in the same bundle."""
+    kernel.run("%config VramMagics.widget = True")
+    try:
+        out = kernel.run("%%vram\ny = model(x)")
+    finally:
+        kernel.run("%config VramMagics.widget = False")
+    shown = displays(out["messages"])
+    assert len(shown) == 1
+    data = shown[0][3]
+    view = data["application/vnd.jupyter.widget-view+json"]
+    opened = [m for m in out["messages"] if m["msg_type"] == "comm_open"]
+    assert view["model_id"] in {m["content"]["comm_id"] for m in opened}
+    assert "vram-report" in data["text/html"] and data["text/plain"].startswith("%%vram cell")
+
+
+def test_auto_mode_shows_the_live_view_too(kernel: Kernel) -> None:
+    kernel.run("%vram auto on")
+    try:
+        out = kernel.run("for _ in range(12):\n    y = model(x)\n    time.sleep(0.15)")
+    finally:
+        kernel.run("%vram auto off")
+    shown = displays(out["messages"])
+    live = [d for _, _, _, d in shown if "vram-live" in d["text/html"]]
+    assert len(live) >= 3 and len({did for _, _, did, _ in shown}) == 1
+    assert shown[-1][1] == "update_display_data" and "vram-live" not in shown[-1][3]["text/html"]

@@ -44,9 +44,9 @@ def _flops(n: float) -> str:
 def module_path(est: Estimate, name: str) -> str:
     """A module as it is written in code: ``model.1``, ``model.encoder.layers.0`` (the estimate's model name
     first, so a child index never reads as a number)."""
-    if not name or name.startswith("("):
+    if not name or name.startswith("(") or not est.model or name == est.model or name.startswith(f"{est.model}."):
         return name
-    return f"{est.model}.{name}" if est.model else name
+    return f"{est.model}.{name}"
 
 
 def _traced_line(est: Estimate) -> str:

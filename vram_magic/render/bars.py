@@ -190,7 +190,7 @@ def _text_bar_html(row: BarRow, scale: Scale) -> str:
     extra = sum(e.size for e in row.extras)
     runs = text_bar(row.breakdown, scale.top, extra=extra)
     inner = "".join(f'<span class="{_ANSI[c]}">{html.escape(s)}</span>' if c else html.escape(s) for c, s in runs)
-    return f'<span class="vram-textbar" hidden>|{inner}|</span>'
+    return f'<span class="vram-textbar" hidden="hidden">|{inner}|</span>'
 
 
 def _bar_html(row: BarRow, scale: Scale) -> str:
@@ -244,7 +244,7 @@ def _axis_html(scale: Scale) -> str:
         else:
             pos = f"left:{at:.3f}%;margin-left:-3.5em;width:7em;text-align:center"
         labels.append(f'<span class="vram-tick" style="display:block;position:absolute;{pos};white-space:nowrap">'
-                      f'{"0" if t == 0 else format_bytes(t)}</span><span hidden> · </span>')
+                      f'{"0" if t == 0 else format_bytes(t)}</span><span hidden="hidden"> · </span>')
     if limit_at is not None:
         text = f"{scale.capacity_label} {format_bytes(scale.capacity or 0)}"
         if limit_at > 55:  # the label ends at the marker
@@ -252,7 +252,8 @@ def _axis_html(scale: Scale) -> str:
         else:
             pos = f"left:{limit_at:.3f}%;padding-left:4px"
         labels.append(f'<span class="vram-limit-label" style="display:block;position:absolute;{pos};'
-                      f'white-space:nowrap;font-weight:bold">{html.escape(text)}</span><span hidden> · </span>')
+                      f'white-space:nowrap;font-weight:bold">{html.escape(text)}</span>'
+                      '<span hidden="hidden"> · </span>')
     return (f'<span class="vram-axis" style="display:block;position:relative;height:1.35em;{SMALL};{MUTED}">'
             f'{"".join(labels)}</span>')
 
