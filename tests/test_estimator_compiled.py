@@ -58,21 +58,27 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return idx, idx.roll(-1, 1)
 
 
-def real_compiled_peak(model: nn.Module, inputs: dict) -> int:
+def _call(model: nn.Module, inputs: dict | tuple) -> torch.Tensor:
+    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+    return out.loss if hasattr(out, "loss") else out
+
+
+def real_compiled_peak(model: nn.Module, inputs: dict | tuple) -> int:
     """Two AdamW steps of the compiled model under the profiler, after a first call that compiles it."""
     from test_hf_models import _profiled_step_peak
     from torch.profiler import ProfilerActivity, profile
 
     compiled = torch.compile(model)
-    compiled(**inputs).loss.backward()  # compiles the forward and the backward
+    _call(compiled, inputs).backward()  # compiles the forward and the backward
     for p in model.parameters():
         p.grad = None
+    tensors = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
     base = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in [*model.parameters(), *model.buffers(), *inputs.values()]}.values())
+                for t in [*model.parameters(), *model.buffers(), *tensors]}.values())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         opt = torch.optim.AdamW(model.parameters(), foreach=False)
         for _ in range(2):
-            loss = compiled(**inputs).loss
+            loss = _call(compiled, inputs)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -80,14 +86,19 @@ def real_compiled_peak(model: nn.Module, inputs: dict) -> int:
     return base + _profiled_step_peak(prof)
 
 
-def test_compiled_gpt2_within_five_percent_of_a_real_inductor_step():
+def gpt2_and_batch() -> tuple[nn.Module, dict]:
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=128, n_head=4, vocab_size=2000, n_positions=512, use_cache=False))
     ids = torch.randint(0, 2000, (8, 256), generator=torch.Generator().manual_seed(0))
-    inputs = {"input_ids": ids, "labels": ids}
+    return model, {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("which", ["GPT-2 (transformers)", "GPT-2 shape with a tied head, loss inside"])
+def test_compiled_gpt_within_five_percent_of_a_real_inductor_step(which):
+    torch.manual_seed(0)
+    model, inputs = gpt2_and_batch() if which.startswith("GPT-2 (") else (GPT(), batch())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         real = real_compiled_peak(model, inputs)
@@ -98,8 +109,8 @@ def test_compiled_gpt2_within_five_percent_of_a_real_inductor_step():
     assert any("compiled (torch.compile)" in n and "min-cut partitioner" in n and "the whole model" in n
                for n in est.notes)
     assert "compiled" not in " ".join(eager.notes)
-    # the eager estimate of the same step reads far higher: the compiled one saves fewer activations
-    assert eager.peak.total > 1.3 * real and est.after_forward["activations"] < eager.after_forward["activations"]
+    if which.startswith("GPT-2 ("):  # here the eager step is far larger: modelling the compiled one matters
+        assert eager.peak.total > 1.3 * real
 
 
 def test_compiled_parts_are_found_and_the_users_model_is_left_alone():

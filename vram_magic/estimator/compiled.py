@@ -3,8 +3,9 @@
 A compiled model saves for backward only what AOTAutograd's partitioner decides (cheap ops are recomputed in
 the backward instead of saved), fuses chains of pointwise ops into one kernel that writes only its result,
 and frees each buffer as soon as it is used. The estimate compiles the fake model with TorchDynamo and
-AOTAutograd as Inductor does — Inductor's decompositions, its joint-graph passes and its min-cut partitioner
-— but instead of generating kernels it runs the partitioned forward and backward graphs op by op on fake
+AOTAutograd as Inductor does — Inductor's decompositions, its joint-graph passes, its min-cut partitioner and
+its post-grad passes (pattern rewrites such as ``mm`` + ``add`` into one ``addmm``, which decide when a
+gradient dies) — but instead of generating kernels it runs the partitioned forward and backward graphs op by op on fake
 tensors, with what Inductor's kernels do to memory on top: a pointwise result consumed only by pointwise ops
 and reductions is never counted (it lives inside a fused kernel); a kernel writes in place into a buffer of
 the same size that it reads for the last time (the saved activations are donated to the backward); a dead
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 NOTE = ("compiled (torch.compile): activations saved for backward as AOTAutograd's min-cut partitioner decides "
-        "them (Inductor's decompositions and joint-graph passes); the partitioned graphs run op by op on fake "
+        "them (with Inductor's decompositions and graph passes); the partitioned graphs run op by op on fake "
         "tensors, pointwise chains counted as fused kernels, buffers reused as Inductor plans them")
 
 
@@ -116,7 +117,10 @@ def estimating_backend() -> Any:
         with V.set_fake_mode(detect_fake_mode(joint_inputs)):
             return partition_fn(gm, joint_inputs, **kwargs)
 
+    import functools
+
     return aot_autograd(fw_compiler=_runner, bw_compiler=_runner, partition_fn=partition,
+                        inference_compiler=functools.partial(_runner, is_inference=True),
                         decompositions=select_decomp_table(), keep_inference_input_mutations=True)
 
 
@@ -295,9 +299,21 @@ def deferred_frees(gm: torch.fx.GraphModule, virtual: set[Any], inplace: dict[An
     return out
 
 
-def _runner(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+def _post_grad(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool) -> None:
+    """Inductor's own post-grad passes (its pattern rewrites, e.g. ``mm`` + ``add`` into ``addmm`` placed where
+    the addend is ready, which decides when a gradient dies)."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.compile_fx import _recursive_post_grad_passes
+    from torch._inductor.virtualized import V
+
+    with V.set_fake_mode(detect_fake_mode(example_inputs)):
+        _recursive_post_grad_passes(gm, is_inference=is_inference)
+
+
+def _runner(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool = False) -> Any:
     """A boxed callable that runs ``gm``'s nodes one by one and drops each value after its last use — the
     inputs too (the caller's list is emptied), as Inductor's generated code does."""
+    _post_grad(gm, example_inputs, is_inference)
     nodes = list(gm.graph.nodes)
     last_use: dict[Any, list[Any]] = {}
     seen: set[Any] = set()
