@@ -1,11 +1,14 @@
-"""Command line: ``python -m vram_magic demo`` and ``python -m vram_magic estimate MODULE:BUILDER …``."""
+"""Command line: ``python -m vram_magic demo``, ``python -m vram_magic estimate MODULE:BUILDER …`` and
+``python -m vram_magic ranks …`` (a distributed job's memory per rank)."""
 
 from __future__ import annotations
 
 import sys
 
 USAGE = """usage: python -m vram_magic demo
-       python -m vram_magic estimate package.module:build_model [options]   (see: estimate --help)"""
+       python -m vram_magic estimate package.module:build_model [options]   (see: estimate --help)
+       python -m vram_magic ranks run [-o DIR] -- torchrun … script.py      (each rank's memory)
+       python -m vram_magic ranks DIR                                       (see: ranks --help)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         from .estimator.cli import main as estimate_main
 
         return estimate_main(rest)
+    if cmd == "ranks":
+        from .ranks.cli import main as ranks_main
+
+        return ranks_main(rest)
     print(f"unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -71,6 +71,11 @@ class VramMagics(Magics):
     @argument("--budget", metavar="SIZE", help="simulated device size, e.g. 48MiB or 4GiB")
     @argument("--timeline", action="store_true", help="also plot memory over the cell's allocations")
     @argument("--no-trace", action="store_true", help="do not record the code line of each allocation")
+    @argument("--ranks", action="store_true", help="measure every rank the cell starts (torchrun, "
+              "torch.multiprocessing, accelerate.notebook_launcher): one bar per rank")
+    @argument("--estimate", metavar="NAME", help="with --ranks: an estimate (%%vram_estimate … -o NAME) to show "
+              "beside each rank's peak")
+    @argument("--ranks-dir", metavar="DIR", help="with --ranks: keep the per-rank reports in DIR")
     @argument("rest", nargs="*", help="%%vram subcommand (line magic only)")
     @line_cell_magic
     def vram(self, line: str, cell: str | None = None) -> Any:
@@ -79,6 +84,10 @@ class VramMagics(Magics):
         if cell is None:
             return self._line(line)
         args = parse_argstring(self.vram, line)
+        if args.ranks or args.estimate or args.ranks_dir:  # the processes the cell starts, each measuring itself
+            from .ranks.magic import run_ranks_cell
+
+            return run_ranks_cell(self, cell, args)
         if args.rest:
             raise UsageError(f"unexpected {' '.join(args.rest)!r} after %%vram; options: -o NAME, -q, --device DEV, "
                              "--budget SIZE, --timeline, --no-trace")

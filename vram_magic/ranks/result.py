@@ -38,6 +38,7 @@ class RankReport:
     pid: int | None = None
     backend: str = ""  # the process group's backend: gloo, nccl, …
     ended: str = ""  # what ended the measurement: "gather", "destroy_process_group", "exit", "SIGTERM"
+    launched_by: str = ""  # how the process was started, when vram_magic measured it as a launched rank
     peak_sites: tuple[tuple[str, int], ...] = ()
     peak_modules: tuple[tuple[str, int], ...] = ()
 
@@ -69,6 +70,7 @@ class RankReport:
         return {
             "format": FORMAT, "rank": self.rank, "world": self.world, "status": self.status, "error": self.error,
             "host": self.host, "pid": self.pid, "backend": self.backend, "ended": self.ended,
+            "launched_by": self.launched_by,
             "peak_sites": [list(s) for s in self.peak_sites], "peak_modules": [list(m) for m in self.peak_modules],
             "report": report_to_dict(self.report) if self.report is not None else None,
         }
@@ -81,6 +83,7 @@ class RankReport:
             report=report_from_dict(report) if report else None,
             error=d.get("error"), status=str(d.get("status") or "complete"), host=str(d.get("host") or ""),
             pid=d.get("pid"), backend=str(d.get("backend") or ""), ended=str(d.get("ended") or ""),
+            launched_by=str(d.get("launched_by") or ""),
             peak_sites=tuple((str(s), int(n)) for s, n in d.get("peak_sites", ())),
             peak_modules=tuple((str(m), int(n)) for m, n in d.get("peak_modules", ())),
         )
@@ -259,7 +262,9 @@ class RankReports(Sequence[RankReport]):
                                                  error="no report: the rank did not start measuring, or was killed "
                                                        "before it could write one") for k in range(n))
         notes = (f"unreadable files: {', '.join(bad)}",) if bad else ()
-        return cls(ranks=ranks, title=title or f"ranks of {path}", launcher=launcher, notes=notes)
+        launched = sorted({r.launched_by for r in ranks if r.launched_by})
+        return cls(ranks=ranks, title=title or f"ranks of {path}", launcher=launcher or ", ".join(launched),
+                   notes=notes)
 
     # --- rendering ---------------------------------------------------------------------------------
     def __str__(self) -> str:
