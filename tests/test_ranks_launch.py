@@ -31,7 +31,7 @@ JOB = textwrap.dedent('''
     import torch.distributed as dist
 
 
-    def train(index=0, world=None, port=None, strategy="fsdp", fail_rank=-1):
+    def train(index=0, world=None, port=None, strategy="fsdp", fail_rank=-1, fail_after=False, sleep_rank=-1):
         torch.set_num_threads(1)
         if world is None:  # torchrun: the environment says who we are
             dist.init_process_group("gloo")
@@ -50,11 +50,17 @@ JOB = textwrap.dedent('''
             model = torch.nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x = torch.randn(4, WIDTH)
-        if rank == fail_rank:
+        if rank == fail_rank and not fail_after:
             raise ValueError(f"rank {rank} gives up")
         loss = model(x).sum()
         loss.backward()
         opt.step()
+        if rank == fail_rank:
+            raise ValueError(f"rank {rank} gives up after its step")
+        if rank == sleep_rank:
+            import time
+
+            time.sleep(120)  # until the launcher stops it
         dist.destroy_process_group()
 
 
@@ -155,6 +161,20 @@ def test_a_rank_that_raises_is_named_with_its_error(shell, job) -> None:
     assert [r.rank for r in reports] == [0, 1]
     assert reports[1].error == "ValueError: rank 1 gives up"
     assert reports[1].report is not None and reports[1].ended == "exit"
+
+
+def test_a_rank_stopped_by_the_launcher_writes_what_it_measured(shell, job) -> None:
+    run_ok(shell, "import torch.multiprocessing as mp\nfrom rankjob import train")
+    result = run(shell, f"%%vram --ranks -q -o per_rank\n"
+                        f"mp.start_processes(train, args=(2, {_port()}, 'ddp', 1, True, 0), nprocs=2, "
+                        f"start_method='fork')")
+    assert type(result.error_in_exec).__name__ == "ProcessRaisedException"
+    stopped, failed = shell.user_ns["per_rank"]
+    assert failed.error == "ValueError: rank 1 gives up after its step" and failed.ended == "exit"
+    # rank 0 was sleeping when torch.multiprocessing terminated it (SIGTERM): what it measured until then
+    assert stopped.status == "partial" and stopped.ended == "SIGTERM" and stopped.error is None
+    want = expected("ddp", 2, 0)
+    assert {c: stopped.after[c] for c in want} == want
 
 
 def test_the_estimate_beside_each_rank(shell, job) -> None:
