@@ -51,15 +51,21 @@ for (const name of pages) {
     const reports = [...document.querySelectorAll(".vram-report")];
     const outputs = [...document.querySelectorAll(".jp-OutputArea-output, .output_area")];
     // escaped markup shows as text like "<div" in an output
-    const escaped = outputs.map((o) => o.innerText).filter((t) => /<\/?(div|span|table|thead|tbody|tr|th|td|svg|style|p|br)\b/.test(t));
+    // only vram_magic's outputs (pandas' own tables, say, are not ours to judge)
+    const escaped = outputs.filter((o) => o.innerHTML.includes("vram-")).map((o) => o.innerText)
+      .filter((t) => /<\/?(div|span|table|thead|tbody|tr|th|td|svg|style|p|br)\b/.test(t));
     const body = getComputedStyle(document.body).color;
     return {
       reports: reports.map((r) => {
         const bars = [...r.querySelectorAll(".vram-bar")];
         const segs = [...r.querySelectorAll(".vram-seg")].map((s) => {
-          const bar = s.closest(".vram-bar").getBoundingClientRect();
-          const want = (Number(s.dataset.bytes) / Number(s.closest(".vram-bar").dataset.scale)) * bar.width;
-          return { want, width: s.getBoundingClientRect().width, clipped: want > bar.width };
+          // segments are placed in the bar's padding box (inside its 1 px border)
+          const bar = s.closest(".vram-bar");
+          const inner = bar.clientWidth;
+          const want = (Number(s.dataset.bytes) / Number(bar.dataset.scale)) * inner;
+          const r = s.getBoundingClientRect();
+          const end = r.right - (bar.getBoundingClientRect().left + bar.clientLeft);
+          return { want, width: r.width, clipped: end >= inner - 1 };
         });
         const textbars = [...r.querySelectorAll(".vram-textbar")];
         const letters = textbars.filter(visible).map((t) => t.innerText.trim());

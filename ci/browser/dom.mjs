@@ -142,7 +142,9 @@ export function inspectReports() {
     const area = r.closest(".jp-OutputArea-output") || r.parentElement;
     const areaRect = area.getBoundingClientRect();
     const bars = [...r.querySelectorAll(".vram-bar")].map((bar) => {
-      const b = bar.getBoundingClientRect();
+      // positions inside the bar's padding box (its border is 1 px): where the segments' percentages apply
+      const outer = bar.getBoundingClientRect();
+      const b = { left: outer.left + bar.clientLeft, width: bar.clientWidth };
       const scale = Number(bar.dataset.scale);
       const segs = [...bar.querySelectorAll(".vram-seg, .vram-extra")].map((s) => {
         const sr = s.getBoundingClientRect();

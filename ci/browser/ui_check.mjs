@@ -187,7 +187,7 @@ function checkReports(where, reports, { dark = false, narrow = false } = {}) {
       for (const s of bar.segs) {
         const want = Math.min((s.bytes / bar.scale) * bar.width, bar.width);
         if (want >= 1.5 && !/vram-request/.test(s.cls)) {
-          check(Math.abs(s.width - want) <= 1.5 || s.right >= bar.width - 1,
+          check(Math.abs(s.width - want) <= 1 || s.right >= bar.width - 1,
             `${where}: ${s.cls} of "${r.title.slice(0, 30)}" drawn to scale (${s.width.toFixed(1)} px for ${want.toFixed(1)})`);
         }
       }

@@ -209,8 +209,8 @@ def _bar_html(row: BarRow, scale: Scale) -> str:
         if width <= 0:
             break
         parts.append(f'<span class="{cls}" title="{html.escape(label)}: {format_bytes(n)}" data-bytes="{n}" '
-                     f'style="display:block;position:absolute;left:{left:.3f}%;width:{width:.3f}%;top:0;bottom:0;'
-                     f'{style}"></span>')
+                     f'style="display:block;position:absolute;box-sizing:border-box;left:{left:.3f}%;width:{width:.3f}%;'
+                     f'top:0;bottom:0;{style}"></span>')
         left += width
     for n, title in row.markers:
         parts.append(f'<span class="vram-mark" title="{html.escape(title)}" style="display:block;position:absolute;'
