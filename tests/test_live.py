@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 import vram_magic
@@ -127,3 +128,25 @@ def test_a_backend_that_knows_its_numbers_only_at_the_end() -> None:
     assert polled.endswith("allocated now 3.00 GiB")
     html = live_html(status, cell=3, capacity=16 * 2**30, allocated=3 * 2**30)
     assert 'class="vram-bar"' in html and "3.00\u00a0GiB" in html and "vram-limit" in html  # 3 of 16 GiB: ≥ 15 %
+
+
+@pytest.mark.cuda
+def test_live_status_of_a_cuda_block() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model = torch.nn.Linear(1024, 1024, device="cuda")
+    x = torch.randn(512, 1024, device="cuda")
+    rec = Recorder()
+    m = vram_magic.measure("cuda", namespace={"model": model, "x": x})
+    with m:
+        view = LiveView(m.status, lambda s: {"text/plain": live_text(s, cell=1, allocated=polled_allocated(s.device)
+                                                                     if s.now is None else None)},
+                        delay=0.0, interval=0.02, publish=rec).start()
+        for _ in range(20):
+            model(x).sum().backward()
+            torch.cuda.synchronize()
+            time.sleep(0.01)
+        view.stop()
+    texts = [b["text/plain"] for _, b, _, _ in rec.calls]
+    assert len(texts) >= 5 and all("cuda:0 · running" in t for t in texts)
+    assert all(("now " in t) or ("allocated now " in t) for t in texts)
