@@ -141,10 +141,14 @@ async function updates(kind, index) {
                        [kind, index]);
 }
 async function runningWindow(index) {
-  const prompts = await page.evaluate((i) => window.__log.filter((e) => e.kind === "prompt" && e.cell === i), index);
-  const start = prompts.find((p) => /\*/.test(p.text));
-  const end = prompts.find((p) => /\[\d+\]/.test(p.text) && (!start || p.t > start.t));
-  return [start ? start.t : null, end ? end.t : null];
+  // "[*]" marks queued cells too: a cell starts when it is marked and the cell before it has finished
+  const prompts = (i) => page.evaluate((j) => window.__log.filter((e) => e.kind === "prompt" && e.cell === j), i);
+  const mine = await prompts(index);
+  const queued = mine.find((p) => /\*/.test(p.text));
+  const end = mine.find((p) => /\[\d+\]/.test(p.text) && (!queued || p.t > queued.t));
+  const before = (await prompts(index - 1)).filter((p) => /\[\d+\]/.test(p.text) && (!end || p.t < end.t)).pop();
+  const start = Math.max(queued ? queued.t : -Infinity, before ? before.t : -Infinity);
+  return [Number.isFinite(start) ? start : null, end ? end.t : null];
 }
 
 const rate = (seen) => (seen.length < 2 ? 0 : (seen.length - 1) / ((seen[seen.length - 1][0] - seen[0][0]) / 1000));
@@ -369,6 +373,14 @@ try {
   measures["lab 800 px: notebook width"] = await page.locator(".jp-NotebookPanel").evaluate((e) => e.getBoundingClientRect().width);
   reports = await page.evaluate(inspectReports);
   checkReports("lab 800 px", reports, { narrow: true });
+  const tables = await page.evaluate(() => [...document.querySelectorAll(".vram-table")].map((t) => {
+    const area = t.closest(".jp-OutputArea-output").getBoundingClientRect();
+    return { right: t.getBoundingClientRect().right, areaRight: area.right, overflowX: getComputedStyle(t).overflowX,
+             scrolls: t.scrollWidth > t.clientWidth, text: t.innerText.replace(/\u00a0/g, " ") };
+  }));
+  check(tables.length === 2 && tables.every((t) => t.right <= t.areaRight + 1 && t.overflowX === "auto"),
+    `lab 800 px: %vram history and diff stay inside their output areas and scroll sideways (${tables.map((t) => (t.scrolls ? "scrolls" : "fits")).join(", ")})`);
+  check(tables.every((t) => /MiB/.test(t.text) && !/\d{6,}/.test(t.text)), "lab 800 px: history and diff in binary units");
   await shot("lab-800px-training-report", cell(LONG_CELL).locator(".jp-OutputArea"));
   await shot("lab-800px-estimate", cell(5).locator(".jp-OutputArea"));
   await shot("lab-800px", null);
@@ -415,6 +427,19 @@ try {
   measures["notebook 7: live view updates per second"] = rate(live7);
   check(live7.length >= 4 && rate(live7) >= MIN_UPDATES_PER_S, `Notebook 7: the live view updates ${rate(live7).toFixed(1)} times a second (${live7.length} redraws)`);
   check((await cell(LONG_CELL).locator(".jp-OutputArea-output").count()) === 1, "Notebook 7: the final report replaced the live view");
+  // %vram watch, then the sleeping cell, then watch off
+  await cell(SLEEP_CELL - 1).click();
+  await page.keyboard.press("Escape");
+  for (let i = 0; i < 3; i++) await page.keyboard.press("Shift+Enter");
+  await page.waitForFunction((i) => /\[\d+\]/.test(document.querySelectorAll(".jp-Notebook .jp-Cell")[i]
+    .querySelector(".jp-InputPrompt").textContent), SLEEP_CELL + 1, { timeout: 60000 });
+  await page.waitForTimeout(500);
+  const watch7 = await updates("watch", SLEEP_CELL - 1);
+  const [s7, e7] = await runningWindow(SLEEP_CELL);
+  const during7 = watch7.filter(([t]) => s7 && e7 && t > s7 && t < e7);
+  measures["notebook 7: %vram watch redraws while another cell ran"] = during7.length;
+  check(during7.length >= 3, `Notebook 7: %vram watch redrawn ${during7.length} times while another cell ran`);
+  check(/stopped/.test(await cell(SLEEP_CELL - 1).locator(".vram-watch").innerText()), "Notebook 7: %vram watch off leaves it stopped");
   await shot("notebook7-training-report", cell(LONG_CELL).locator(".jp-OutputArea"));
   await menu("Settings", "Theme", "JupyterLab Dark");
   await page.waitForFunction(() => document.body.dataset.jpThemeLight === "false", null, { timeout: 20000 });
