@@ -71,11 +71,12 @@ class LiveView:
         return self
 
     def _run(self) -> None:
-        try:
-            if self._stop.wait(self.delay):
-                return
-            while True:
-                started = time.perf_counter()
+        failures = 0
+        if self._stop.wait(self.delay):
+            return
+        while True:
+            started = time.perf_counter()
+            try:
                 status = self._status()
                 if status is not None:
                     bundle = self._render(status)
@@ -85,11 +86,14 @@ class LiveView:
                         self._publish(bundle, self.display_id, self.shown)
                         self.shown = True
                         self.updates += 1
-                # a steady rate: the time spent rendering counts against the interval
-                if self._stop.wait(max(self.interval - (time.perf_counter() - started), 0.01)):
+            except Exception as err:  # never disturb the cell: the final report still replaces the view
+                self.error = err
+                failures += 1
+                if failures >= 3:  # not a passing hiccup: stop trying
                     return
-        except BaseException as err:  # never disturb the cell: the final report still replaces the view
-            self.error = err
+            # a steady rate: the time spent rendering counts against the interval
+            if self._stop.wait(max(self.interval - (time.perf_counter() - started), 0.01)):
+                return
 
     def stop(self, timeout: float = 2.0) -> None:
         """Stop updating (idempotent); after it returns, nothing more is published by the thread."""
