@@ -12,7 +12,10 @@
 3. **estimate vs CUDA**: ``vram_magic.estimate`` with the detected GPU's constants against
    ``max_memory_allocated`` and ``max_memory_reserved`` of the same two AdamW steps, per model of
    ``benchmarks/zoo.py`` (one process each, target 5 %);
-4. **overhead** of a measured cell on a launch-bound model (tiny ops: the worst case), both backends.
+4. **overhead** of a measured cell on a launch-bound model (a 2 x 256 MLP, batch 32, 200 AdamW steps in one
+   cell: tiny ops, the worst case), both backends;
+5. **a compiled model** (inductor, warmed up) stepped in a ``%%vram`` cell: the allocator backend is chosen,
+   nothing recompiles, and the cell's peak matches ``max_memory_allocated`` of the same step unmeasured.
 
 ``--report FILE`` writes the tables to a file too. The exit status is 1 if any check failed.
 """
@@ -296,7 +299,7 @@ def estimate_vs_cuda(env: dict[str, str], out: list[str], dry: bool, deadline: f
 
 # --- 4. overhead on a launch-bound model ---------------------------------------------------------------------
 def overhead(out: list[str], dry: bool) -> Table:
-    t = Table("overhead of a measured cell, launch-bound model (4 x Linear(256, 256), batch 32, AdamW, 100 steps)",
+    t = Table("overhead of a measured cell, launch-bound model (2 x Linear(256, 256), batch 32, AdamW, 200 steps)",
               out)
     if dry:
         t.add("plain / tracker / allocator", "SKIP", "dry run")
@@ -305,16 +308,13 @@ def overhead(out: list[str], dry: bool) -> Table:
 
     import vram_magic
 
-    layers = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(256, 256), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers).cuda()
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)).cuda()
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(32, 256, device="cuda")
     ns = {"model": model, "opt": opt, "x": x}
 
     def steps() -> None:
-        for _ in range(100):
+        for _ in range(200):
             model(x).square().mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -334,9 +334,76 @@ def overhead(out: list[str], dry: bool) -> Table:
             fn()
             times[k].append(time.perf_counter() - t0)
     base = statistics.median(times["plain"])
-    t.add("plain", "INFO", f"{base * 1000:.1f} ms for 100 steps")
+    t.add("plain", "INFO", f"{base * 1000:.1f} ms for 200 steps")
     for k in ("tracker", "allocator"):
-        t.add(f"measure(backend={k!r})", "INFO", f"x{statistics.median(times[k]) / base:.2f}")
+        ratio = statistics.median(a / b for a, b in zip(times[k], times["plain"]))
+        t.add(f"measure(backend={k!r})", "INFO", f"x{ratio:.2f} (median of 5 paired runs)")
+    return t
+
+
+# --- 5. a compiled model in a measured cell ------------------------------------------------------------------
+COMPILED_CHILD = """
+import json, sys, torch
+sys.path.insert(0, {here!r})
+from zoo import ZOO, train_steps
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+torch.manual_seed(0)
+DEV = {device!r}  # "cpu" in a dry run: the same code, checked without a device
+build, make_inputs = ZOO["Transformer (tied)"]
+model = build().to(DEV)
+x = make_inputs().to(DEV)
+opt = torch.optim.AdamW(model.parameters())
+cm = torch.compile(model)
+train_steps(cm, x, 2, opt)
+from torch._dynamo.utils import counters
+before_counts = json.dumps({{k: dict(v) for k, v in counters.items()}}, sort_keys=True)
+real = None
+if DEV == "cuda":
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()  # a process of its own: nobody else's counter to spoil
+    train_steps(cm, x, 1, opt)
+    torch.cuda.synchronize()
+    real = torch.cuda.max_memory_allocated() - base
+sh = InteractiveShell.instance()
+sh.user_ns.update(cm=cm, x=x, opt=opt, train_steps=train_steps)
+with capture_output():
+    sh.run_cell("%load_ext vram_magic")
+    sh.run_cell(f"%%vram -q -o r --device {{DEV}}\\ntrain_steps(cm, x, 1, opt)")
+r = sh.user_ns["r"]
+after_counts = json.dumps({{k: dict(v) for k, v in counters.items()}}, sort_keys=True)
+print(json.dumps({{"real": real, "measured": r.peak.total - r.before.total, "backend": r.backend,
+                  "recompiled": before_counts != after_counts, "notes": list(r.notes)}}))
+"""
+
+
+def compiled_model(out: list[str], dry: bool, deadline: float) -> Table:
+    t = Table("a compiled model (inductor, warmed up) in a %%vram cell: Transformer (tied), AdamW", out)
+    if time.monotonic() > deadline - 60:
+        t.add("backend, recompiles, peak vs max_memory_allocated", "SKIP", "out of time")
+        return t
+    try:
+        done = run([sys.executable, "-c", COMPILED_CHILD.format(here=HERE, device="cpu" if dry else "cuda")],
+                   deadline - time.monotonic(), pythonpath_env())
+    except subprocess.TimeoutExpired:
+        t.add("backend, recompiles, peak vs max_memory_allocated", "FAIL", "timed out")
+        return t
+    if done.returncode != 0:
+        t.add("compiled step in a measured cell", "FAIL", (done.stderr.strip().splitlines() or ["?"])[-1][:150])
+        return t
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    where = " (dry run: on the CPU)" if dry else ""
+    t.add("auto picks the allocator backend" + where, "PASS" if r["backend"] == "allocator" else "FAIL",
+          r["backend"])
+    t.add("nothing recompiled inside the cell" + where, "FAIL" if r["recompiled"] else "PASS", "dynamo's counters")
+    if r["real"] is None:
+        t.add("peak vs max_memory_allocated, same step unmeasured", "SKIP",
+              f"dry run: measured {r['measured'] / 2**20:.1f} MiB on the CPU")
+        return t
+    err = 100.0 * (r["measured"] - r["real"]) / max(r["real"], 1)
+    t.add("peak vs max_memory_allocated, same step unmeasured", "PASS" if abs(err) <= 2.0 else "FAIL",
+          f"{r['measured'] / 2**20:.1f} vs {r['real'] / 2**20:.1f} MiB ({err:+.2f} %)")
     return t
 
 
@@ -386,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     tables.append(estimate_vs_cuda(env, out, args.dry_run or not has_gpu, deadline))
     tables[-1].print()
     tables.append(overhead(out, args.dry_run or not has_gpu))
+    tables[-1].print()
+    tables.append(compiled_model(out, args.dry_run or not has_gpu, deadline))
     tables[-1].print()
     failed = [t.title for t in tables if t.failed]
     summary = f"== {'FAIL: ' + '; '.join(failed) if failed else 'all checks passed or skipped'} " \
