@@ -121,6 +121,12 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
             spikes[i] = spikes.get(i, 0) + n
         if trace.copies and not spike_label:
             spike_label = "kernel scratch (GEMM operand copies)"
+        if trace.gemms:
+            from .scratch import gemm_scratch
+
+            for i, n in gemm_scratch(trace.gemms).items():
+                spikes[i] = spikes.get(i, 0) + n
+            spike_label = spike_label or "kernel scratch (half-precision GEMMs measured per shape)"
     states = model_states(trace, opts, sharding, state_bytes)
     if opts.master_weights:
         notes.append(_master_note(opts, sharding))

@@ -57,6 +57,7 @@ class StepTrace:
     grad_bytes: int = 0
     state_bytes: int = 0
     unit_param_bytes: list[int] = field(default_factory=list)  # per checkpoint/sharding unit (largest blocks)
+    gemms: list[tuple[int, Any, Any]] = field(default_factory=list)  # half-precision GEMMs (scratch measured)
     wall: float = 0.0
     loss: str = ""  # which loss the step trained on
     notes: list[str] = field(default_factory=list)  # what was modelled and how (checkpointing, compiled)
@@ -362,7 +363,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     trace = StepTrace(
         sizes=sizes, owner=owner, module=module, events=tracer.events,
         initial=tuple(tracer.initial) + tuple(tracer.late), marks=marks, flops=flops,
-        convs=tracer.convs, copies=tracer.copies, rnns=tracer.rnns,
+        convs=tracer.convs, copies=tracer.copies, rnns=tracer.rnns, gemms=tracer.gemms,
         host_scalars=host_scalars, problem=problem, fused=bool(optimizer is not None and is_fused(optimizer)),
         uses_matmul=tracer.matmul, batch=batch, seq=seq, micro_batch=micro_batch,
         param_count=sum(p.numel() for p in params), param_bytes=param_bytes, grad_bytes=grad_bytes,

@@ -83,7 +83,9 @@ def _real(spec: Any, batch: int | None) -> Any:
         _, shape, dtype, cl = spec
         if batch is not None:
             shape = (batch,) + tuple(shape[1:])
-        t = torch.randn(shape, dtype=dtype) if dtype.is_floating_point else torch.zeros(shape, dtype=dtype)
+        # a generator of its own: probing must not advance the user's random state
+        t = torch.randn(shape, dtype=dtype, generator=torch.Generator().manual_seed(0)) if dtype.is_floating_point \
+            else torch.zeros(shape, dtype=dtype)
         return t.contiguous(memory_format=torch.channels_last) if cl else t
     if isinstance(spec, tuple):
         return list(spec)
@@ -205,3 +207,58 @@ def _rnn_once(backward: bool, spec: Any, batch: int) -> tuple[int, int]:
     workspace = 0 if backward else int(result[3].untyped_storage().nbytes())
     del result
     return workspace, _extra(prof)
+
+
+# --- half-precision GEMMs ---------------------------------------------------------------------------------
+def gemm_scratch(gemms: list[tuple[int, Any, Any]]) -> dict[int, int]:
+    """``{event index: scratch bytes}`` for the bf16/fp16 GEMMs of a trace: oneDNN packs their operands in
+    buffers of its own (sized by shapes, strides and threads), measured on one real GEMM per distinct spec."""
+    out: dict[int, int] = {}
+    for index, func, spec in gemms:
+        extra = _gemm_scratch_for(str(func), _freeze(spec))
+        if extra > 0:
+            out[index] = max(out.get(index, 0), extra)
+    return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _gemm_scratch_for(func: str, spec: Any) -> int:
+    tensors = [s for s in spec if isinstance(s, tuple) and s and s[0] == "S"]
+    size = sum(_strided_bytes(s) for s in tensors)
+    if size > PROBE_BUDGET:  # too big to run here: not measured
+        return 0
+    op = {"aten.mm.default": torch.ops.aten.mm.default, "aten.addmm.default": torch.ops.aten.addmm.default,
+          "aten.bmm.default": torch.ops.aten.bmm.default}.get(func)
+    if op is None:
+        return 0
+    try:
+        args = [_strided(s) if isinstance(s, tuple) and s and s[0] == "S" else s for s in spec]
+        return max(0, _probe_op(op, args))
+    except Exception:  # an argument we cannot rebuild: no modelled scratch
+        return 0
+
+
+def _strided_bytes(spec: Any) -> int:
+    _, shape, stride, dtype = spec
+    extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride) if n > 0)
+    return extent * torch.empty((), dtype=dtype).element_size()
+
+
+def _strided(spec: Any) -> torch.Tensor:
+    _, shape, stride, dtype = spec
+    t = torch.empty_strided(shape, stride, dtype=dtype)
+    with torch.no_grad():
+        t.normal_(generator=torch.Generator().manual_seed(0))
+    return t
+
+
+def _probe_op(op: Any, args: list[Any]) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        op(*args)  # warm up: oneDNN caches primitives and may allocate once
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with torch.profiler.record_function("vram_magic_probe"):
+                result = op(*args)
+        del result
+    return _extra(prof)

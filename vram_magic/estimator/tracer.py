@@ -32,7 +32,15 @@ _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_dot_pr
 _RNN = torch.ops.aten.mkldnn_rnn_layer.default
 _RNN_BACKWARD = torch.ops.aten.mkldnn_rnn_layer_backward.default
 _MM_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+_GEMM_OPS = _MM_OPS | {torch.ops.aten.bmm.default}
+_HALF = (torch.bfloat16, torch.float16)
 FAKE_PROBLEMS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
+
+
+def strided_spec(args: Any) -> Any:
+    """A GEMM's arguments as ``("S", shape, stride, dtype)`` (layout matters to oneDNN's packing), others as is."""
+    return tuple(("S", tuple(int(x) for x in a.shape), tuple(int(x) for x in a.stride()), a.dtype)
+                 if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def tensor_spec(t: Any) -> Any:
@@ -93,6 +101,7 @@ class StepTracer(Tracker):
         self.fusing = False  # set while a compiled graph computes a value that lives inside a fused kernel
         self.rnns: list[tuple[int, Any, Any, int]] = []  # (events so far, op, argument specs, workspace serial)
         self.copies: list[tuple[int, int]] = []  # (events so far, bytes) of operand copies inside CPU GEMMs
+        self.gemms: list[tuple[int, Any, Any]] = []  # (events so far, op, strided argument specs): half GEMMs
         self.matmul = False  # cuBLAS would be used (and allocate its workspace) on CUDA
 
     def _reads_input(self, args: Any, kwargs: Any) -> bool:
@@ -238,6 +247,10 @@ class StepTracer(Tracker):
                 entry = self.registry.get(id(out[3].untyped_storage()))
                 workspace = entry.serial if entry is not None else 0
             self.rnns.append((len(self.events), func, tensor_spec(args), workspace))
+        elif func in _GEMM_OPS and isinstance(out, torch.Tensor) and out.dtype in _HALF:
+            # half-precision GEMMs go through oneDNN, whose packing scratch depends on shapes, strides and
+            # threads: measured per distinct GEMM (scratch.gemm_scratch), not derived from a rule
+            self.gemms.append((len(self.events), func, strided_spec(args)))
         elif func in _MM_OPS and isinstance(out, torch.Tensor):
             extra = gemm_copies(func, args, out)
             if extra:
