@@ -15,6 +15,7 @@ import json
 import math
 import multiprocessing as mp
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -67,7 +68,12 @@ def _rank_main(rank: int, world: int, port: int, out: str, strategy: str, fail: 
                             timeout=datetime.timedelta(seconds=30))
     try:
         model = _model(strategy)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if strategy == "zero1":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x = torch.randn(BATCH, WIDTH)
         if fail == "before-gather" and rank == world - 1:
             raise ValueError(f"rank {rank} fails before it measures or gathers")
@@ -87,9 +93,18 @@ def _rank_main(rank: int, world: int, port: int, out: str, strategy: str, fail: 
         if rank == 0:
             assert reports is not None
             reports.save(out)
-            Path(out, "done").write_text(json.dumps({"type": type(reports).__name__, "len": len(reports)}))
         else:
             assert reports is None
+        if not fail:  # one more forward and backward alone: its peak is in FSDP's collectives, not the update
+            with vram_magic.measure() as fb:
+                loss = model(x).sum()
+                loss.backward()
+                del loss
+            again = vram_magic.gather(fb, via=via)
+            if rank == 0:
+                again.save(Path(out, "forward-backward"))
+        if rank == 0:
+            Path(out, "done").write_text(json.dumps({"type": type(reports).__name__, "len": len(reports)}))
     finally:
         dist.destroy_process_group()
 
@@ -106,6 +121,14 @@ def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "vram_magic"])
     return ctx
+
+
+@pytest.fixture(autouse=True)
+def _main_module_for_multiprocessing(monkeypatch):
+    """An IPython shell made by an earlier test leaves a ``__main__`` without ``__spec__``, which multiprocessing
+    reads when it starts a process."""
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", getattr(sys.modules["__main__"], "__spec__", None),
+                        raising=False)
 
 
 def _run(world: int, strategy: str, tmp_path: Path, fail: str = "", via: str = "store") -> tuple[dict, list]:
@@ -130,15 +153,36 @@ def _run(world: int, strategy: str, tmp_path: Path, fail: str = "", via: str = "
     return done, RankReports.load(out)  # type: ignore[return-value]
 
 
+def _forward_backward(tmp_path: Path):
+    from vram_magic.ranks import RankReports
+
+    return RankReports.load(tmp_path / "ranks" / "forward-backward")
+
+
 def _shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
     """(padded rows every rank allocates, rows of this rank's own shard)"""
     chunk = math.ceil(rows / world)
     return chunk, max(min(chunk, rows - rank * chunk), 0)
 
 
+def _zero_partition(world: int) -> list[list[int]]:
+    """ZeroRedundancyOptimizer's partition, by hand: parameters largest first (weights, then biases, each in
+    model order), each to the rank holding the fewest elements so far (the first such rank on a tie)."""
+    numels = sorted([WIDTH * WIDTH, WIDTH] * (BLOCKS + 1), reverse=True)
+    owned: list[list[int]] = [[] for _ in range(world)]
+    for n in numels:
+        sizes = [sum(o) for o in owned]
+        owned[sizes.index(min(sizes))].append(n)
+    return owned
+
+
 def _expected(strategy: str, world: int, rank: int) -> dict[str, int]:
     linears = BLOCKS + 1
     n_params = 2 * linears  # weight and bias of each Linear
+    if strategy == "zero1":  # DDP's full replica; AdamW's two moments and step for this rank's partition only
+        full = linears * (WIDTH * WIDTH + WIDTH) * F32
+        mine = _zero_partition(world)[rank]
+        return {"parameters": full, "gradients": full, "optimizer_state": 2 * sum(mine) * F32 + 4 * len(mine)}
     if strategy == "ddp":
         full = linears * (WIDTH * WIDTH + WIDTH) * F32
         return {"parameters": full, "gradients": full, "optimizer_state": 2 * full + 4 * n_params}
@@ -149,7 +193,7 @@ def _expected(strategy: str, world: int, rank: int) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("world,strategy,via", [(2, "fsdp", "store"), (3, "fsdp", "store"), (2, "ddp", "collective"),
-                                               (3, "ddp", "store")])
+                                               (3, "ddp", "store"), (2, "zero1", "store")])
 def test_each_rank_measures_what_it_holds(world: int, strategy: str, via: str, tmp_path: Path) -> None:
     done, reports = _run(world, strategy, tmp_path, via=via)
     assert done == {"type": "RankReports", "len": world}
@@ -166,13 +210,21 @@ def test_each_rank_measures_what_it_holds(world: int, strategy: str, via: str, t
         assert r.before["gradients"] == 0 and r.before["optimizer_state"] == 0
         assert r.peak.total >= after.total
         assert r.backend == "gloo" and r.device == "cpu"
-        if strategy == "fsdp":
-            # named as sharded, and FSDP's collective buffers named at the peak
+        if strategy == "fsdp":  # named as sharded
             assert any(label.endswith("(sharded)") for label in after.details("parameters"))
             assert any(label.endswith("(sharded)") for label in after.details("optimizer_state"))
-            other = r.peak.details("other")
-            assert any(label.startswith("FSDP") for label in other), other
-            assert not any(label.startswith("FSDP") for label in after.details())  # all freed by the end
+            assert not any(label.startswith("FSDP") for label in after.details())  # FSDP's buffers: freed by the end
+    again = _forward_backward(tmp_path)
+    assert [r.rank for r in again] == list(range(world))
+    for r in again:
+        other = r.peak.details("other")
+        if strategy == "fsdp":  # FSDP's collective buffers, named, at the peak of a forward and backward
+            assert {"FSDP all-gather buffers", "FSDP unsharded parameters (all-gathered)"} <= set(other), other
+        else:
+            assert not any(label.startswith("FSDP") for label in other)
+    if strategy == "zero1":  # the partition is named as such
+        assert all(set(r.after.details("optimizer_state")) == {"opt (ZeRO partition)"} for r in reports)
+        assert _zero_partition(2) == [[WIDTH * WIDTH] * 2, [WIDTH * WIDTH] + [WIDTH] * 3]
     if strategy == "fsdp" and world == 3:
         # the last rank's shard is the short one: less optimizer state, the same padded parameters
         assert reports[2].after["optimizer_state"] < reports[0].after["optimizer_state"]

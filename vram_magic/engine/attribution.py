@@ -237,9 +237,13 @@ class _Walker:
         state_tensors: list[tuple[Any, str]] = []
         for name, opt in self.optimizers:
             try:
-                for state in opt.state.values():
-                    if isinstance(state, Mapping):
-                        state_tensors.extend((v, name) for v in state.values() if isinstance(v, torch.Tensor))
+                states = [(opt.state, name)]
+                if type(opt).__name__ == "ZeroRedundancyOptimizer":  # ZeRO-1: the state of this rank's partition
+                    states.append((opt.optim.state, f"{name} (ZeRO partition)"))
+                for states_of, label in states:
+                    for state in states_of.values():
+                        if isinstance(state, Mapping):
+                            state_tensors.extend((v, label) for v in state.values() if isinstance(v, torch.Tensor))
             except Exception as err:
                 self._unread(f"{name}.state", err)
         self._claim_all(state_tensors, "optimizer_state")

@@ -41,6 +41,8 @@ FSDP_ALL_GATHER = ("other", "FSDP all-gather buffers")
 FSDP_REDUCE_SCATTER = ("other", "FSDP reduce-scatter buffers")
 FSDP_UNSHARDED = ("other", "FSDP unsharded parameters (all-gathered)")
 FSDP_UNSHARDED_GRADS = ("gradients", "FSDP unsharded gradients (before reduce-scatter)")
+DDP_BUCKETS = ("other", "DDP gradient buckets")
+_DDP = "torch.nn.parallel.distributed"
 
 
 def _fsdp_role(scope: str) -> tuple[str, str]:
@@ -93,6 +95,7 @@ class Tracker(TorchDispatchMode):
         self._optimizer_depth = 0
         self._modules: list[int] = []  # ids of the modules whose forward is running, innermost last
         self._aliasing: dict[Any, bool] = {}
+        self._deferring: dict[Any, bool] = {}  # subclass types -> their ops are left to them (see _defers)
         self._skipping: dict[Any, bool] = {}
         self._site: tuple[Any, ...] | None = None  # the site of every allocation while it is set
         self._resizing: dict[Any, bool] = {}
@@ -111,6 +114,9 @@ class Tracker(TorchDispatchMode):
         # started at); scopes close in the order they opened (the handle an exit receives is a new Python object)
         self._scopes: list[tuple[tuple[str, str] | None, int]] = []
         self._fsdp_scopes = 0
+        # DistributedDataParallel's own part of its forward (before the wrapped module's): the serial it began at
+        self._ddp_types: tuple[type, ...] = ()
+        self._ddp_open: int | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> Tracker:
@@ -125,6 +131,8 @@ class Tracker(TorchDispatchMode):
             mod.register_module_forward_hook(self._mod_post, always_call=True),
         ]
         _watch_resizes(self)
+        ddp = _loaded.get(_DDP)
+        self._ddp_types = (ddp.DistributedDataParallel,) if ddp is not None else ()
         try:
             return super().__enter__()
         except BaseException:
@@ -190,10 +198,25 @@ class Tracker(TorchDispatchMode):
 
     def _mod_pre(self, module: Any, *_: Any) -> None:
         self._modules.append(id(module))
+        if self._ddp_open is not None:  # the wrapped module's forward begins: DDP's own part is over
+            self._close_ddp()
+        elif self._ddp_types and type(module) in self._ddp_types:
+            self._ddp_open = self.registry.next_serial()
 
     def _mod_post(self, module: Any, *_: Any) -> None:
         if self._modules:
             self._modules.pop()
+        if self._ddp_open is not None:
+            self._close_ddp()
+
+    def _close_ddp(self) -> None:
+        """What DDP allocates before its module's forward is its reducer's gradient buckets (rebuilt, in the
+        order gradients arrived, at the second forward)."""
+        first, self._ddp_open = self._ddp_open, None
+        roles, allocs = self.roles, self.allocs
+        for serial in range(first + 1, self.registry.next_serial()):  # type: ignore[operator]
+            if serial in allocs:
+                roles.setdefault(serial, DDP_BUCKETS)
 
     def phase(self) -> int:
         if self._optimizer_depth:
@@ -216,6 +239,9 @@ class Tracker(TorchDispatchMode):
                     and entry.serial < self._scopes[-1][1]:
                 # made by backward, dropped by FSDP's reduce-scatter once copied in: a unit's unsharded gradients
                 self.roles.setdefault(entry.serial, FSDP_UNSHARDED_GRADS)
+            elif self._ddp_open is not None and record[1] == CELL:
+                # dropped by DDP's own forward: the buckets its reducer made when DDP was built, now rebuilt
+                self.roles.setdefault(entry.serial, DDP_BUCKETS)
         else:
             self.initial_freed[entry.serial] = entry.size
         if len(self.events) < self.max_events:
@@ -404,6 +430,17 @@ class Tracker(TorchDispatchMode):
         self._skipping[func] = hit
         return hit
 
+    def _defers(self, types: Any) -> bool:
+        """Ops on these subclasses are left to the subclasses themselves: traceable wrappers, except PyTorch's
+        own tracing tensors (fake and functional tensors belong to compilation, which runs unmeasured)."""
+        hit = bool(types) and all(getattr(t, "__tensor_flatten__", None) is not None
+                                  and not str(getattr(t, "__module__", "")).startswith("torch._subclasses")
+                                  for t in types)
+        if _DYNAMO in _loaded and _is_compiling():
+            return False  # not cached: the same types outside compilation are deferred
+        self._deferring[types] = hit
+        return hit
+
     def _aliases(self, func: Any) -> bool:
         hit = self._aliasing.get(func)
         if hit is None:
@@ -461,6 +498,15 @@ class Tracker(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if types:  # empty for plain tensors and parameters: one truth test per op
+            defer = self._deferring.get(types)
+            if defer is None:
+                defer = self._defers(types)
+            if defer:
+                # A wrapper subclass (DTensor, quantized tensors) runs the op on its inner tensors: handing it the
+                # op lets those inner ops come back through this mode, so the memory they make is seen when it
+                # is made (FSDP2's optimizer state and temporaries), not only at the end of the block.
+                return NotImplemented
         # A plain OpOverload's __call__ only forwards to its C++ entry point: calling that directly saves a
         # Python frame per op. Subclasses (torchbind ops) and higher-order operators are called as they are.
         out = (func._op if type(func) is _OpOverload else func)(*args, **(kwargs or {}))
