@@ -185,3 +185,10 @@ def test_pointwise_chain_matches_measure_and_the_profiler():
         steps(torch.optim.AdamW(model.parameters(), foreach=False))
     profiled = base + _profiled_step_peak(prof)
     assert abs(est.peak.total - profiled) / profiled < 0.005, (est.peak.total, profiled)
+
+
+def test_magic_help_prints_the_options(shell, capsys):
+    r = shell.run_cell("%vram_estimate --help")
+    assert r.error_in_exec is None
+    out = capsys.readouterr().out
+    assert "%vram_estimate [--input EXPR]" in out and "--master-weights" in out and "--loss" in out

@@ -12,10 +12,11 @@ from .arguments import OPTIONS, QUOTING, build, estimate_with_batch, parse_error
 from .result import Estimate
 
 
-def _parser(line: str) -> None:
+def vram_estimate(line: str) -> None:
     """Predict a training or inference step's memory without a GPU."""
 
 
+_parser = vram_estimate  # named for the usage line: %vram_estimate [--input EXPR] ...
 for _flags, _kwargs in reversed([*OPTIONS, (("-o", "--output"), {"metavar": "NAME", "help": "store the estimate in "
                                                                  "the variable NAME"}),
                                  (("-q", "--quiet"), {"action": "store_true", "help": "do not display the estimate"})]):
@@ -24,6 +25,8 @@ _parser = magic_arguments()(_parser)
 
 
 def parse(line: str) -> Any:
+    if {"-h", "--help"} & set(line.split()):
+        return None  # argparse prints the help itself
     try:
         return parse_argstring(_parser, line)
     except UsageError as err:
@@ -45,6 +48,9 @@ def build_kwargs(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any
 def run_estimate_magic(magics: Any, line: str) -> Estimate | None:
     from . import EstimateError, estimate
 
+    if {"-h", "--help"} & set(line.split()):
+        print(_parser.parser.format_help())
+        return None
     args = parse(line)
     if args.output and not args.output.isidentifier():
         raise UsageError(f"-o needs a variable name, got {args.output!r}")
