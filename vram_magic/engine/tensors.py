@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .quantized import parameter_parts, subclass_format
+
 _MAX_DEPTH = 4
 
 
@@ -33,6 +35,10 @@ def storage_parts(t: Any, depth: int = 0) -> list[tuple[Any, str]] | None:
             return out
         layout = t.layout
         if layout == torch.strided:
+            if cls is not torch.Tensor and cls is not torch.nn.Parameter:
+                quant = parameter_parts(t)  # bitsandbytes' quantized parameters: data and quantization constants
+                if quant is not None:
+                    return quant
             return [(t.untyped_storage(), "")]
         if layout == torch.sparse_coo:
             parts = (t._indices(), t._values())
@@ -60,11 +66,15 @@ def wrapper_kind(t: Any, cls: type) -> str:
                 return "replicated"
         except Exception:
             pass
-    return cls.__name__
+    return subclass_format(cls) or cls.__name__
 
 
 def is_wrapper(t: Any) -> bool:
-    """A wrapper subclass (``_make_wrapper_subclass``) has a storage object without memory behind it."""
+    """A wrapper subclass (``_make_wrapper_subclass``) has a storage object without memory behind it; so have
+    PyTorch's own tracing tensors (fake and functional tensors: a DTensor's sharding propagation makes fake ones
+    while a rank is measured)."""
+    if str(getattr(type(t), "__module__", "")).startswith("torch._subclasses."):
+        return True
     try:
         t.untyped_storage().data_ptr()
         return False

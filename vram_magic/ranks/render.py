@@ -216,4 +216,4 @@ def ranks_html(reports: RankReports) -> str:
     note = _world_note(reports)
     for n in ([note] if note else []) + list(reports.notes):
         parts.append(f'<div class="vram-note" style="{SMALL};{MUTED}">note: {html.escape(n)}</div>')
-    return nbsp_sizes(f'<div class="vram-ranks" style="{ROOT}">{"".join(parts)}</div>')
+    return nbsp_sizes(f'<div class="vram-report vram-ranks" style="{ROOT}">{"".join(parts)}</div>')
