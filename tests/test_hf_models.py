@@ -12,6 +12,8 @@ import torch
 
 import vram_magic
 
+if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6):
+    pytest.skip("transformers 5 needs PyTorch 2.6 or later", allow_module_level=True)
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 

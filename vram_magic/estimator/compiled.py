@@ -31,6 +31,19 @@ NOTE = ("compiled (torch.compile): activations saved for backward as AOTAutograd
         "tensors, pointwise chains counted as fused kernels, buffers reused as Inductor plans them")
 
 
+def supported() -> bool:
+    """Whether this PyTorch runs compiled code under a dispatch mode that asks to be left out of compilation
+    (``ignore_compile_internals``, PyTorch 2.9): before it, TorchDynamo skips the frame (and may keep skipping
+    that code afterwards), so compiled parts are estimated as eager code instead."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return hasattr(TorchDispatchMode, "ignore_compile_internals")
+
+
+EAGER_NOTE = ("compiled parts estimated as eager code: this PyTorch ({version}) cannot run compiled code under the "
+              "estimator's tracker (PyTorch 2.9 and later can); a compiled step usually needs less")
+
+
 def is_compiled(module: Any) -> bool:
     """A ``torch.compile``'d module (an ``OptimizedModule`` wrapping the module it compiles)."""
     return type(module).__name__ == "OptimizedModule" and isinstance(getattr(module, "_orig_mod", None), nn.Module)
@@ -106,8 +119,19 @@ def recompile(model: nn.Module, parts: dict[str, str]) -> Any:
 def estimating_backend() -> Any:
     """TorchDynamo backend: AOTAutograd with Inductor's decompositions and partitioner; graphs run op by op."""
     from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.compile_fx import partition_fn
-    from torch._inductor.decomposition import select_decomp_table
+
+    try:
+        from torch._inductor.compile_fx import partition_fn
+        from torch._inductor.decomposition import select_decomp_table
+    except (ImportError, AttributeError):  # Inductor's private names moved: AOTAutograd's own min-cut partitioner
+        from functools import partial
+
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        partition_fn = partial(min_cut_rematerialization_partition, compiler="inductor")
+
+        def select_decomp_table() -> Any:
+            return {}
 
     def partition(gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
         from torch._guards import detect_fake_mode
@@ -301,13 +325,17 @@ def deferred_frees(gm: torch.fx.GraphModule, virtual: set[Any], inplace: dict[An
 
 def _post_grad(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool) -> None:
     """Inductor's own post-grad passes (its pattern rewrites, e.g. ``mm`` + ``add`` into ``addmm`` placed where
-    the addend is ready, which decides when a gradient dies)."""
-    from torch._guards import detect_fake_mode
-    from torch._inductor.compile_fx import _recursive_post_grad_passes
-    from torch._inductor.virtualized import V
+    the addend is ready, which decides when a gradient dies). Private to Inductor: where a PyTorch lacks them
+    or they fail, the graph runs as partitioned."""
+    try:
+        from torch._guards import detect_fake_mode
+        from torch._inductor.compile_fx import _recursive_post_grad_passes
+        from torch._inductor.virtualized import V
 
-    with V.set_fake_mode(detect_fake_mode(example_inputs)):
-        _recursive_post_grad_passes(gm, is_inference=is_inference)
+        with V.set_fake_mode(detect_fake_mode(example_inputs)):
+            _recursive_post_grad_passes(gm, is_inference=is_inference)
+    except Exception:  # noqa: BLE001 - an optional refinement of the model, never a reason to fail
+        return
 
 
 def _runner(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool = False) -> Any:

@@ -235,11 +235,15 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
     runner: Any = model
     if compiled:
-        from .compiled import NOTE, recompile
+        from .compiled import EAGER_NOTE, NOTE, recompile, supported
 
-        runner = recompile(model, compiled)
         where = ", ".join(repr(n) if n else "the whole model" for n in sorted(compiled))
-        notes.append(f"{NOTE}; compiled: {where}")
+        if supported():
+            runner = recompile(model, compiled)
+            notes.append(f"{NOTE}; compiled: {where}")
+        else:  # never call compiled code under the tracker here: TorchDynamo would skip (and poison) the frame
+            notes.append(EAGER_NOTE.format(version=torch.__version__) + f"; compiled: {where}")
+            compiled = {}
     tracer = StepTracer(registry, names)
     tracer.input_keys = {id(t.untyped_storage()) for t in _tensors(inputs) if t.layout == torch.strided}
     loss_used = ["loss_fn (given)"] if request.loss_fn is not None else [""]
@@ -447,7 +451,9 @@ def _compiled_step(compiled: bool, tracer: StepTracer) -> Any:
 
     ACTIVE.append(tracer)
     try:
-        with torch._dynamo.config.patch(recompile_limit=1 << 20, accumulated_recompile_limit=1 << 20):
+        limits = {name: 1 << 20 for name in ("recompile_limit", "accumulated_recompile_limit")
+                  if hasattr(torch._dynamo.config, name)}
+        with torch._dynamo.config.patch(**limits):
             yield
     finally:
         ACTIVE.remove(tracer)
