@@ -9,7 +9,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Float, Int
+from traitlets import Bool, Enum, Float, Int
 
 from .session import Session
 from .units import parse_size
@@ -48,14 +48,19 @@ class VramMagics(Magics):
                  ).tag(config=True)
     live_interval = Float(0.25, help="Seconds between two updates of the live view and of %vram watch.").tag(
         config=True)
+    backend = Enum(("auto", "tracker", "allocator"), default_value="auto",
+                   help="How %%vram measures: auto (the tracker, or the allocator when the cell runs compiled code), "
+                   "tracker (dispatch level: lines, modules, --budget on the CPU) or allocator (the allocator's own "
+                   "record: compiled code runs compiled)").tag(config=True)
     record_sites = Bool(True, help="Record the user code line of each allocation (timeline, peak sites).").tag(
         config=True)
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
-        from .engine.frames import refresh_shell_codes
+        from .engine.frames import refresh_shell_codes, register_shell_code
 
         refresh_shell_codes()
+        register_shell_code(VramMagics._run_code.__code__)
         self.session = Session(shell.user_ns, history_size=self.history_size)
         # the files IPython compiles cells into, mapped to cell numbers: allocation sites read "cell 12:3"
         self.session.cell_files = getattr(shell.compile, "_filename_map", None)
@@ -71,6 +76,8 @@ class VramMagics(Magics):
     @argument("--budget", metavar="SIZE", help="simulated device size, e.g. 48MiB or 4GiB")
     @argument("--timeline", action="store_true", help="also plot memory over the cell's allocations")
     @argument("--no-trace", action="store_true", help="do not record the code line of each allocation")
+    @argument("--backend", choices=("auto", "tracker", "allocator"),
+              help="auto (default: the tracker, or the allocator for compiled code), tracker or allocator")
     @argument("--ranks", action="store_true", help="measure every rank the cell starts (torchrun, "
               "torch.multiprocessing, accelerate.notebook_launcher): one bar per rank")
     @argument("--estimate", metavar="NAME", help="with --ranks: an estimate (%%vram_estimate … -o NAME) to show "
@@ -90,18 +97,24 @@ class VramMagics(Magics):
             return run_ranks_cell(self, cell, args)
         if args.rest:
             raise UsageError(f"unexpected {' '.join(args.rest)!r} after %%vram; options: -o NAME, -q, --device DEV, "
-                             "--budget SIZE, --timeline, --no-trace")
+                             "--budget SIZE, --timeline, --no-trace, --backend auto|tracker|allocator")
         budget = _size(args.budget) if args.budget else None
         if self.session.active is not None:
             raise UsageError("%%vram cannot run inside another measured cell (nested %%vram, or %vram auto on): "
                              "measure the outer cell only")
-        if args.output and not args.output.isidentifier():
-            raise UsageError(f"-o needs a variable name, got {args.output!r}")
+        _check_name(args.output, "-o")
         try:
             self.session.record_sites = self.record_sites and not args.no_trace
-            self.session.start(args.device, budget=budget, cell=self._cell_number(), source=cell)
+            self.session.start(args.device, budget=budget, cell=self._cell_number(), source=cell,
+                               backend=args.backend or self.backend)
         except ValueError as err:
             raise UsageError(str(err)) from None
+        except Exception as err:  # measuring cannot start here: the cell still runs, unmeasured
+            _warn(f"vram_magic could not measure this cell ({type(err).__name__}: {err}); it ran unmeasured")
+            value = self._execute(cell)
+            if value is not None:
+                self.shell.displayhook(value)
+            return None
         finally:
             self.session.record_sites = self.record_sites
         return self._run_measured(cell, args)
@@ -131,7 +144,11 @@ class VramMagics(Magics):
             if live is not None and (args.quiet or report is None):
                 live.finish(None)
             if not args.quiet and report is not None:
-                self._show(report, timeline=args.timeline, live=live)
+                try:
+                    self._show(report, timeline=args.timeline, live=live)
+                except Exception as err:  # a display that fails must not fail the cell
+                    _warn(f"vram_magic could not display this cell's report ({type(err).__name__}: {err}); "
+                          f"it is stored{' in ' + args.output if args.output else ''} and in %vram history")
         return None
 
     def _cell_number(self) -> int:
@@ -210,7 +227,11 @@ class VramMagics(Magics):
                 if len(rest) not in (1, 2):
                     raise UsageError("usage: %vram save PATH [CELL]")
                 report = self.session.report(rest[1] if len(rest) == 2 else -1)
-                path = report.save_snapshot(rest[0])
+                _check_path(rest[0])
+                try:
+                    path = report.save_snapshot(rest[0])
+                except OSError as err:
+                    raise UsageError(f"cannot write {rest[0]!r}: {err.strerror or err}") from None
                 print(f"%vram: wrote {path} (open it at PyTorch's memory viewer)")
                 return None
             if cmd == "export":
@@ -218,7 +239,12 @@ class VramMagics(Magics):
                     raise UsageError("usage: %vram export PATH.csv|PATH.json")
                 from .history import export_history
 
-                print(f"%vram: wrote {export_history(list(self.session.history), rest[0])}")
+                _check_path(rest[0])
+                try:
+                    written = export_history(list(self.session.history), rest[0])
+                except OSError as err:
+                    raise UsageError(f"cannot write {rest[0]!r}: {err.strerror or err}") from None
+                print(f"%vram: wrote {written}")
                 return None
             if cmd.startswith("-") or cmd in ("cpu",) or cmd.startswith("cuda"):
                 dev = rest[0] if cmd == "--device" and rest else (cmd if not cmd.startswith("-") else None)
@@ -244,8 +270,12 @@ class VramMagics(Magics):
         raw = (getattr(info, "raw_cell", "") or "").lstrip()
         self._auto_skip = raw.startswith("%%vram") or raw.startswith("%vram") or self.session.active is not None
         if not self._auto_skip:
-            self.session.start(cell=self._cell_number(), source=raw)
-            self._auto_live = _start_live(self)
+            try:
+                self.session.start(cell=self._cell_number(), source=raw, backend=self.backend)
+                self._auto_live = _start_live(self)
+            except Exception as err:
+                self._auto_skip = True
+                _warn(f"vram_magic could not measure this cell ({type(err).__name__}: {err}); it runs unmeasured")
 
     def _post_run_cell(self, result: Any) -> None:
         if self._auto_skip or self.session.active is None:
@@ -260,7 +290,10 @@ class VramMagics(Magics):
         if report is None and live is not None:
             live.finish(None)
         if report is not None:
-            self._show(report, live=live)
+            try:
+                self._show(report, live=live)
+            except Exception as err:
+                _warn(f"vram_magic could not display this cell's report ({type(err).__name__}: {err})")
 
     # --- %vram_estimate --------------------------------------------------------------------------
     @line_magic
@@ -276,6 +309,34 @@ class VramMagics(Magics):
         stop_watch(self)
         self.set_auto(False)
         self.session.close()
+
+
+def _warn(message: str) -> None:
+    import warnings
+
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _check_name(name: str | None, option: str) -> None:
+    """``-o NAME`` must be a name a variable can have."""
+    import keyword
+
+    if name is not None and (not name.isidentifier() or keyword.iskeyword(name)):
+        raise UsageError(f"{option} needs a variable name (letters, digits and _; not a Python keyword), "
+                         f"got {name!r}")
+
+
+def _check_path(path: str) -> None:
+    """A file can be written at ``path``: its folder exists and is writable (else a UsageError naming it)."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+    if os.path.isdir(path):
+        raise UsageError(f"cannot write {path!r}: it is a folder; give a file name inside it")
+    if not os.path.isdir(folder):
+        raise UsageError(f"cannot write {path!r}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"cannot write {path!r}: the folder {folder!r} is not writable")
 
 
 def _devices() -> list[str]:
