@@ -6,7 +6,7 @@ once under DDP and once with FSDP2 (``fully_shard`` per block, then the root). E
 ``destroy_process_group``, the rank's code unchanged); the estimate is ``vram_magic.estimate(..., device="cpu")``
 with ``fsdp=True, world=2`` for FSDP2, and unsharded for DDP (every DDP rank holds the whole model). Run::
 
-    .venv/bin/python benchmarks/ranks_fsdp_ddp.py [--markdown]
+    .venv/bin/python benchmarks/ranks_fsdp_ddp.py [--markdown] [--world N]
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def rank_main(index: int, strategy: str, port: int) -> None:
+def rank_main(index: int, strategy: str, port: int, world: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world)
     torch.manual_seed(0)
     if strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -77,13 +77,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def measure(strategy: str):
+def measure(strategy: str, world: int = WORLD):
     import torch.multiprocessing as mp
 
     from vram_magic.ranks.launch import LaunchedRanks
 
-    with LaunchedRanks(title=f"{strategy} × {WORLD}") as launched:
-        mp.start_processes(rank_main, args=(strategy, _port()), nprocs=WORLD, start_method="spawn")
+    with LaunchedRanks(title=f"{strategy} × {world}") as launched:
+        mp.start_processes(rank_main, args=(strategy, _port(), world), nprocs=world, start_method="spawn")
     return launched.reports
 
 
@@ -92,17 +92,18 @@ def main() -> int:
     from vram_magic import format_bytes
 
     markdown = "--markdown" in sys.argv
+    world = int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else WORLD
     x = torch.randn(BATCH, WIDTH)
     estimates = {"ddp": vram_magic.estimate(Stack, x, device="cpu", steps=STEPS),
-                 "fsdp": vram_magic.estimate(Stack, x, device="cpu", steps=STEPS, fsdp=True, world=WORLD)}
+                 "fsdp": vram_magic.estimate(Stack, x, device="cpu", steps=STEPS, fsdp=True, world=world)}
     params = sum(p.numel() for p in Stack().parameters())
     print(f"model: {params / 1e6:.2f} M parameters (fp32), {BLOCKS} blocks + input and head layers, AdamW, "
-          f"{STEPS} steps, batch {BATCH} per rank, {WORLD} gloo processes on the CPU, torch {torch.__version__}")
+          f"{STEPS} steps, batch {BATCH} per rank, {world} gloo processes on the CPU, torch {torch.__version__}")
     cats = ("parameters", "gradients", "optimizer_state", "activations", "other")
     head = ["strategy", "rank", *[c.replace("_", " ") + " (peak)" for c in cats], "peak", "estimate", "error"]
     rows = []
     for strategy in ("ddp", "fsdp"):
-        reports = measure(strategy).with_estimate(estimates[strategy])
+        reports = measure(strategy, world).with_estimate(estimates[strategy])
         if not markdown:
             print(reports)
         for r in reports:
@@ -114,6 +115,11 @@ def main() -> int:
             rows.append(["DDP" if strategy == "ddp" else "FSDP2", str(r.rank),
                          *[format_bytes(r.peak[c]) for c in cats], format_bytes(r.peak.total), format_bytes(est),
                          f"{err:+.1f} %"])
+        for r in reports:
+            if r.report is not None:
+                print(f"{strategy} rank {r.rank}: peak {r.peak.total:,} B, estimate "
+                      f"{estimates[strategy].peak.total:,} B; after the steps: "
+                      + ", ".join(f"{c} {r.after[c]:,} B" for c in cats))
         other = {label: n for label, n in reports[0].peak.details("other").items() if n}
         print(f"{strategy} rank 0 'other' at the peak: " +
               ", ".join(f"{k} {format_bytes(v)}" for k, v in sorted(other.items(), key=lambda kv: -kv[1])))
