@@ -256,6 +256,9 @@ class Measurement:
                                  "recording (PyTorch runs one profiler at a time): the peak is the larger of before "
                                  "and after")
                 replayed = replay(recording, self._initial_addrs, self.registry.next_serial)
+                regions = sorted({n.split(" ##")[0].strip("# ") for n in recording.scopes if "Compiled" in n})
+                if regions:
+                    notes.append(f"compiled code ran inside the block ({', '.join(regions)})")
         finally:
             wall = time.perf_counter() - self._t0
             self._undo_cuda()
@@ -273,7 +276,7 @@ class Measurement:
                exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         source = tracker if tracker is not None else replayed
         assert source is not None
-        oom_index = len(source.events)
+        oom_index = (source.oom or {}).get("index", len(source.events))
         is_oom = exc_type is not None and issubclass(exc_type, torch.OutOfMemoryError)
         # Frees caused by the clean-up below still count as this cell's events.
         if tracker is not None:

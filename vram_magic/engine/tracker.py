@@ -299,7 +299,10 @@ class Tracker(TorchDispatchMode):
 
     def _raise_oom(self, size: int, depth: int = 4) -> None:
         site = user_site(sys._getframe(depth))
-        self.oom = {"requested": size, "in_use": self.current, "site": site, "phase": self.phase()}
+        # "index": the events before the failed request — what was alive then, before the exception unwinds
+        # the frames that held the cell's temporaries
+        self.oom = {"requested": size, "in_use": self.current, "site": site, "phase": self.phase(),
+                    "index": len(self.events)}
         self._name_locals(sys._getframe(depth))
         msg = (
             f"{self.device} out of memory under the simulated budget: tried to allocate "
