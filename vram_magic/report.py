@@ -52,6 +52,12 @@ class Breakdown(Mapping[str, int]):
     def total(self) -> int:
         return sum(self[c] for c in CATEGORIES)
 
+    @property
+    def trainable(self) -> int:
+        """Bytes of parameters that train: all of them less the rows named frozen (``requires_grad=False``, and
+        quantized weights, which never train)."""
+        return self.parameters - sum(n for c, label, n in self.detail if c == "parameters" and "(frozen" in label)
+
     def details(self, category: str | None = None) -> dict[str, int]:
         """``{label: bytes}`` of the detail rows, optionally of one category only."""
         out: dict[str, int] = {}

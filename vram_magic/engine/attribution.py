@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .quantized import packed_info, packed_objects
 from .registry import LiveStorages
 from .tensors import grad, grad_fn, storage_parts
 from .tracker import FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, FSDP_UNSHARDED, FSDP_UNSHARDED_GRADS
@@ -98,6 +99,8 @@ class _Walker:
         self.unread: list[str] = []
         self.skipped: dict[str, int] = {}  # container name -> items left out by the object bound
         self.fsdp: dict[int, tuple[str, Any]] = {}  # id(FSDP state) -> (module name, state)
+        self.packed: list[tuple[Any, str]] = []  # (packed quantized weights of a torch.ao module, holder)
+        self.frozen = False  # a frozen (or quantized) parameter was claimed: the notes say how much trains
 
     # --- collect -------------------------------------------------------------------------------
     def visit(self, name: str, obj: Any, depth: int, cache: bool = False) -> None:
@@ -158,13 +161,16 @@ class _Walker:
                     self.visit(f"{name}.{k}", v, depth - 1, cache)
 
     # --- assign (first claim wins: the order is the priority) -----------------------------------
-    def claim(self, t: Any, category: str, label: str, holder: str | None = None) -> int | None:
+    def claim(self, t: Any, category: str, label: str, holder: str | None = None, frozen: bool = False) -> int | None:
         key = None
         parts = storage_parts(t)
         if parts is None:
             self._unread(holder or label, RuntimeError("a tensor that raises when read"))
             return None
+        if frozen:
+            self.frozen = True
         for storage, kind in parts:
+            kind = f"frozen, {kind}" if frozen and kind else ("frozen" if frozen else kind)
             key = self._own(storage, category, f"{label} ({kind})" if kind else label, holder)
         return key
 
@@ -188,9 +194,12 @@ class _Walker:
         labels: dict[str, tuple[str, str]] = {}
         plain = torch.Tensor
         param = torch.nn.Parameter
+        parameters = category == "parameters"  # frozen ones (requires_grad=False) are named so
         for t, name in items:
             cls = type(t)
-            if cls is plain or cls is param:
+            if parameters and ((not t.requires_grad) if cls is plain or cls is param else _frozen(t)):
+                self.claim(t, category, prefix + name, name, frozen=True)
+            elif cls is plain or cls is param:
                 try:
                     storage = t.untyped_storage()
                 except (RuntimeError, NotImplementedError):
@@ -231,6 +240,11 @@ class _Walker:
                 self._fsdp_buffers(name, state)
             except Exception as err:
                 self._unread(f"the FSDP state of {name}", err)
+        for obj, name in self.packed:
+            try:
+                self._claim_packed(obj, name)
+            except Exception as err:
+                self._unread(f"the packed weights of {name}", err)
         grads: list[tuple[Any, str]] = []
         self._claim_all(params, "parameters", grads=grads)
         self._claim_all(grads, "gradients")
@@ -291,6 +305,24 @@ class _Walker:
                 for b in sub._buffers.values():
                     if b is not None:
                         buffers.append((b, name))
+            for obj, _ in packed_objects(sub):  # torch.ao quantized modules: weights packed outside any tensor
+                self.packed.append((obj, name))
+
+    def _claim_packed(self, obj: Any, name: str) -> None:
+        """A torch.ao quantized module's packed weights: the object stands for its buffer in the registry (its
+        size worked out from the layout, see quantized.py); the bias it keeps is a tensor of its own."""
+        size, fmt, bias = packed_info(obj)
+        if not fmt:
+            return
+        key = id(obj)
+        if self.registry.get(key) is None:
+            self.registry.add_new(obj, key, size, "cpu")
+        self.frozen = True
+        if key not in self.scan.owner:
+            self.scan.owner[key] = ("parameters", f"{name} (frozen, {fmt})")
+            self.scan.holders[key] = name
+        if isinstance(bias, torch.Tensor):
+            self.claim(bias, "parameters", name, name, frozen=True)
 
     def _fsdp_buffers(self, name: str, state: Any) -> None:
         """What FSDP2 holds beside the sharded parameters: each unit's unsharded parameters (all-gather outputs,
@@ -326,6 +358,8 @@ class _Walker:
 
     def _notes(self) -> None:
         notes = self.scan.notes
+        if self.frozen:
+            notes.append(self._frozen_note())
         if self.unread:
             notes.append("the scan could not read " + ", ".join(self.unread) + "; memory only they hold counts as "
                          "unattributed")
@@ -335,7 +369,40 @@ class _Walker:
                          "they hold counts as unattributed")
 
 
+    def _frozen_note(self) -> str:
+        """How much of the parameters trains, and the formats of the quantized ones."""
+        from ..units import format_bytes
+
+        total = frozen = 0
+        formats: dict[str, int] = {}
+        get = self.registry.get
+        for key, (cat, label) in self.scan.owner.items():
+            if cat != "parameters":
+                continue
+            entry = get(key)
+            size = entry.size if entry is not None else 0
+            total += size
+            at = label.rfind("(frozen")
+            if at >= 0:
+                frozen += size
+                fmt = label[at + len("(frozen"):]
+                fmt = (fmt[:-1] if fmt.endswith(")") else fmt).lstrip(", ")
+                if fmt:
+                    formats[fmt] = formats.get(fmt, 0) + size
+        text = f"parameters: {format_bytes(total - frozen)} trainable, {format_bytes(frozen)} frozen"
+        if formats:
+            text += ", of which " + "; ".join(f"{format_bytes(n)} {f}" for f, n in formats.items())
+        return text
+
+
 _FSDP = "torch.distributed.fsdp._fully_shard._fully_shard"
+
+
+def _frozen(t: Any) -> bool:
+    try:
+        return not t.requires_grad
+    except Exception:  # a subclass that raises on access: claimed (guarded) as a trainable one
+        return False
 
 
 def _key(k: Any) -> str:
