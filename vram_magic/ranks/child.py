@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 ENV_DIR = "VRAM_MAGIC_RANKS"  # the directory the ranks write their reports into
@@ -59,12 +60,11 @@ def _user_frame(frame: Any) -> Any:
     return None
 
 
-class _Namespace(dict):
+class _Namespace(Mapping):
     """What the rank's measurement scans: a frame's globals and locals, read afresh at each scan, or the
     ``__main__`` module's variables when no frame of the rank's own code is known."""
 
     def __init__(self, frame: Any) -> None:
-        super().__init__()
         self.frame = frame
 
     def _merged(self) -> dict[str, Any]:
@@ -79,9 +79,6 @@ class _Namespace(dict):
     def items(self) -> Any:  # type: ignore[override]
         return self._merged().items()
 
-    def get(self, key: Any, default: Any = None) -> Any:
-        return self._merged().get(key, default)
-
     def __iter__(self) -> Any:
         return iter(self._merged())
 
@@ -90,9 +87,6 @@ class _Namespace(dict):
 
     def __getitem__(self, key: Any) -> Any:
         return self._merged()[key]
-
-    def __bool__(self) -> bool:
-        return True
 
 
 def _launcher() -> str:
