@@ -91,7 +91,9 @@ def test_the_view_draws_every_rank_on_one_scale_with_the_estimate() -> None:
     assert f'data-bytes="{reports[1].peak["parameters"]}"' in html
     assert "vram-imbalance" in html and "vram-ranks-compare" in html
     err = 100 * (est.peak.total - reports[1].peak.total) / reports[1].peak.total
-    assert f"estimate {vram_magic.format_bytes(est.peak.total)} ({err:+.1f} %)" in text
+    sign = "+" if err >= 0 else "\u2212"  # the minus sign format_bytes prints
+    assert f"estimate {vram_magic.format_bytes(est.peak.total)} ({sign}{abs(err):.1f} %)" in text
+    assert html.count('class="vram-rank-other"') == 2  # what "other" holds at each rank's peak
     table = shown.compare()
     assert table.loc[1, "error"] == est.peak.total - reports[1].peak.total
     with pytest.raises(TypeError):

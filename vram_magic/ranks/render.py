@@ -68,7 +68,7 @@ def _estimate_label(reports: RankReports) -> str:
 def _error_pct(est: int, measured: int) -> str:
     if not measured:
         return "n/a"
-    return f"{100.0 * (est - measured) / measured:+.1f} %"
+    return f"{100.0 * (est - measured) / measured:+.1f} %".replace("-", "\u2212")  # the sign format_bytes uses
 
 
 def _capacity(reports: RankReports) -> int | None:
@@ -97,6 +97,18 @@ def _imbalance_text(reports: RankReports) -> str:
     return (f"imbalance: peaks from {format_bytes(imb.smallest)} (rank {imb.smallest_rank}) to "
             f"{format_bytes(imb.largest)} (rank {imb.largest_rank}), a spread of {format_bytes(imb.spread)} "
             f"({imb.percent:.1f} % of the largest)" + (f"; it differs most in {why}" if why else ""))
+
+
+def _other_at_peak(reports: RankReports) -> list[tuple[int, str]]:
+    """What "other" holds at each rank's peak (FSDP's buffers, DDP's buckets, inputs): its three largest parts."""
+    out = []
+    for r in reports:
+        if r.report is not None:
+            top = [f"{label or 'unattributed'} {format_bytes(n)}" for label, n in r.report.peak.details("other").items()
+                   if n][:3]
+            if top:
+                out.append((r.rank, ", ".join(top)))
+    return out
 
 
 def _problems(reports: RankReports) -> list[str]:
@@ -144,11 +156,8 @@ def ranks_text(reports: RankReports) -> str:
     imbalance = _imbalance_text(reports)
     if imbalance:
         lines.append(imbalance)
-    for r in reports:
-        if r.report is not None:
-            top = [f"{label} {format_bytes(n)}" for label, n in r.report.peak.details("other").items() if n][:3]
-            if top:
-                lines.append(f"  rank {r.rank} other at the peak: {', '.join(top)}")
+    for rank, top in _other_at_peak(reports):
+        lines.append(f"  rank {rank} other at the peak: {top}")
     for problem in _problems(reports):
         lines.append(f"  {problem}")
     note = _world_note(reports)
@@ -211,6 +220,9 @@ def ranks_html(reports: RankReports) -> str:
     imbalance = _imbalance_text(reports)
     if imbalance:
         parts.append(f'<div class="vram-imbalance" style="{SMALL};margin-top:2px">{html.escape(imbalance)}</div>')
+    for rank, top in _other_at_peak(reports):
+        parts.append(f'<div class="vram-rank-other" style="{SMALL}">rank {rank}, other at the peak: '
+                     f'{html.escape(top)}</div>')
     for problem in _problems(reports):
         parts.append(f'<div class="vram-rank-error" style="{SMALL};{BAD}">{html.escape(problem)}</div>')
     note = _world_note(reports)
