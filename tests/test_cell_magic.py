@@ -365,3 +365,14 @@ def test_first_measured_cell_does_not_import_dynamo():
             "print('torch._dynamo' in sys.modules, m.after.total)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "40"], out.stderr  # `t`; the ones tensor was a temporary
+
+
+def test_composite_ops_under_inference_mode_are_seen_inside(shell):
+    # Under inference_mode, cross_entropy reaches the tracker whole; its log-softmax (as large as the logits) is
+    # made and freed inside it. The peak must include it: 4096 x 1000 float32 = 16,384,000 B.
+    run_ok(shell, "import torch\nlogits = torch.randn(4096, 1000)\ny = torch.randint(0, 1000, (4096,))")
+    run_ok(shell, "%%vram -q -o r\nwith torch.inference_mode():\n"
+                  "    loss = torch.nn.functional.cross_entropy(logits, y)")
+    r = shell.user_ns["r"]
+    assert r.peak.total - r.before.total >= 4096 * 1000 * F32
+    assert r.after.total - r.before.total == F32  # the loss itself

@@ -13,7 +13,7 @@ from array import array
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
 from ..units import format_bytes
 from .frames import user_site
@@ -419,7 +419,8 @@ class Tracker(TorchDispatchMode):
 
     def _skips(self, func: Any) -> Any:
         """Ops whose every output aliases an input and cannot grow its storage (in-place ops, views); the scope
-        ops are skipped too, with their handler in place of ``True``."""
+        ops are skipped too, with their handler in place of ``True``; ``_DECOMPOSE`` for an op whose only kernel
+        is its decomposition (it reaches a mode whole only under inference_mode)."""
         if func is _SCOPE_ENTER or func is _SCOPE_EXIT:
             hit: Any = self._scope_enter if func is _SCOPE_ENTER else self._scope_exit
             self._skipping[func] = hit
@@ -430,6 +431,8 @@ class Tracker(TorchDispatchMode):
                 and func not in _FRESH
         except AttributeError:
             hit = False
+        if not hit and _is_composite(func):
+            hit = _DECOMPOSE
         self._skipping[func] = hit
         return hit
 
@@ -510,6 +513,22 @@ class Tracker(TorchDispatchMode):
                 # op lets those inner ops come back through this mode, so the memory they make is seen when it
                 # is made (FSDP2's optimizer state and temporaries), not only at the end of the block.
                 return NotImplemented
+        # What to do with the op, decided once per op (see _skips)
+        skip = self._skipping.get(func)
+        if skip is None:
+            skip = self._skips(func)
+        if skip is _DECOMPOSE:
+            # Under inference_mode, composite ops (linear, cross_entropy) reach the mode whole, and their parts
+            # (the log-softmax inside a loss) would allocate out of sight: run their decomposition, with this
+            # mode seeing each part.
+            _push_mode(self)
+            try:
+                out = func.decompose(*args, **(kwargs or {}))
+            finally:
+                _pop_mode()
+            if out is not NotImplemented:
+                return out
+            skip = False
         # A plain OpOverload's __call__ only forwards to its C++ entry point: calling that directly saves a
         # Python frame per op. Subclasses (torchbind ops) and higher-order operators are called as they are.
         out = (func._op if type(func) is _OpOverload else func)(*args, **(kwargs or {}))
@@ -517,9 +536,6 @@ class Tracker(TorchDispatchMode):
         if _DYNAMO in _loaded and _is_compiling():  # no tracing without dynamo imported
             return out
         # In-place ops and views return an input's storage (known, or alive before the block): nothing new.
-        skip = self._skipping.get(func)
-        if skip is None:
-            skip = self._skips(func)
         if skip:
             if skip is not True:  # a named scope opens or closes
                 skip(args, out)
@@ -579,6 +595,20 @@ def _unwatch_resizes(tracker: Tracker) -> None:
 
 
 _user_steps: dict[type, bool] = {}
+
+
+_DECOMPOSE = object()
+
+
+def _is_composite(func: Any) -> bool:
+    """An op with no kernel of its own, only its decomposition (``linear``, ``cross_entropy_loss``)."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    try:
+        name = func.name()
+        return bool(has(name, "CompositeImplicitAutograd") and not has(name, "CPU") and not has(name, "CUDA")
+                    and not has(name, "CompositeExplicitAutograd"))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 def _user_step(optimizer: Any) -> bool:
