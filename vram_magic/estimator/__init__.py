@@ -34,6 +34,8 @@ def estimate(
     fsdp: bool = False,
     world: int = 1,
     offload: bool = False,
+    quantize: str | None = None,
+    lora: int | None = None,
     gpu: str | GPU | None = None,
     budget: int | str | None = None,
     cuda: CudaModel | None = None,
@@ -56,6 +58,10 @@ def estimate(
     the sum of the output — the estimate's ``loss`` says which.
     ``accumulate=K`` splits the batch into K micro-batches. ``zero=1|2|3`` or ``fsdp=True`` with ``world=N``
     give per-rank memory; ``offload`` keeps optimizer state and its step on the host.
+    ``quantize="int8"|"int4"|"nf4"|"nf4-dq"``: the linear layers' weights (not the output head) in that format,
+    counted from its layout and frozen; ``lora=R``: rank-R adapters on the linear layers, everything else frozen
+    (``quantize="nf4", lora=16`` is QLoRA). A model already quantized (torch.ao, torchao, bitsandbytes) or made
+    with PEFT is estimated as it is.
     ``device="cuda"`` models a GPU (default), ``"cpu"`` a CPU run. ``gpu`` (a name from :data:`GPUS`) or
     ``budget`` (``"24GiB"``) sets the capacity for the fit verdict. ``what_if`` adds the strategy table;
     ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1
@@ -63,7 +69,7 @@ def estimate(
     """
     opts = make_options(optimizer=optimizer, inference=inference, dtype=dtype, amp=amp, master_weights=master_weights,
                         checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp, world=world,
-                        offload=offload, device=device, steps=steps)
+                        offload=offload, device=device, steps=steps, quantize=quantize, lora=lora)
     target = make_target(gpu, budget, cuda)
     if (max_batch or max_seq) and target.capacity is None:
         raise ValueError("max_batch/max_seq need a capacity: give gpu='A100-80GB' (or another known GPU) or "

@@ -186,7 +186,9 @@ class ModelSource:
         if model is None:
             raise ValueError("the model this estimate was made for no longer exists; estimate again")
         parts = compiled_parts(model)
-        memo: dict[int, Any] = {}
+        from .quantize import stand_ins
+
+        memo: dict[int, Any] = dict(stand_ins(model, mode))  # quantized layers: fake stand-ins, copied as they are
         with mode:
             for t in list(model.parameters()) + list(model.buffers()):
                 if id(t) not in memo:
@@ -210,6 +212,8 @@ def _normalise(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
     memo: dict[int, Any] = {}
     with mode:
         for m in model.modules():
+            if getattr(m, "keeps_dtypes", False):  # a quantized stand-in: its tensors are already ours
+                continue
             for table in (m._parameters, m._buffers):
                 for name, t in list(table.items()):
                     if t is None:

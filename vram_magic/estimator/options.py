@@ -46,6 +46,8 @@ class Options:
     steps: int = 2
     batch: int | None = None  # resize the inputs' batch dimension (what-ifs and max-batch search)
     seq: int | None = None  # resize dimension 1 of the inputs (sequence length)
+    quantize: str | None = None  # weight-only quantization of the linear layers (quantize.FORMATS)
+    lora: int | None = None  # rank of LoRA adapters on the linear layers, the rest frozen
 
     def with_(self, **changes: Any) -> Options:
         return replace(self, **changes)
@@ -56,6 +58,10 @@ class Options:
             parts.append(optimizer_name(self.optimizer))
         if self.dtype is not None:
             parts.append(short_dtype(self.dtype) + (" + fp32 master weights" if self.master_weights else ""))
+        if self.quantize:
+            parts.append(f"{self.quantize} weights")
+        if self.lora:
+            parts.append(f"LoRA r={self.lora}")
         if self.amp is not None:
             parts.append(f"AMP {short_dtype(self.amp)}")
         if self.checkpointing:
@@ -92,6 +98,8 @@ def make_options(
     offload: bool = False,
     device: str = "cuda",
     steps: int = 2,
+    quantize: Any = None,
+    lora: Any = None,
 ) -> Options:
     """Check every option; raise ``ValueError``/``TypeError`` naming what is accepted."""
     if isinstance(optimizer, str):
@@ -134,7 +142,12 @@ def make_options(
         raise ValueError(f"device must be 'cuda' (model a GPU) or 'cpu' (model a CPU run), not {device!r}")
     if inference and (accumulate > 1 or zero is not None or offload):
         raise ValueError("accumulate, zero/fsdp and offload apply to training; drop them with inference=True")
+    from .lora import parse_lora
+    from .quantize import parse_quantize
+
+    quant, rank = parse_quantize(quantize), parse_lora(lora)
     return Options(
+        quantize=quant, lora=rank,
         optimizer=optimizer, inference=bool(inference), dtype=dt, amp=am, master_weights=master,
         checkpointing=bool(checkpointing),
         accumulate=accumulate, zero=zero, world=world, offload=bool(offload),

@@ -23,6 +23,7 @@ from .fake import ModelSource, from_specs, resize, size_of, to_specs
 from .frameworks import enable_checkpointing, estimating, not_tracing
 from .optimizers import is_fused, make_optimizer
 from .options import Options
+from .quantize import adapt, count_parameters, parameter_labels
 from .tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
 
 
@@ -194,12 +195,12 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
         specs = resize(specs, 0, batch, micro_batch)
     with mode:
         inputs = from_specs(specs, opts.dtype if opts.amp is None else None)
+    notes: list[str] = adapt(model, opts, mode)  # quantize=, lora= (quantize.py, lora.py)
     if opts.inference:
         model.eval()
     else:
         model.train()
     units = checkpoint_units(model)
-    notes: list[str] = []
     if opts.checkpointing and not opts.inference:
         notes.append("checkpointing: " + enable_checkpointing(model, units))
     params = [p for p in model.parameters()]
@@ -223,6 +224,8 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
         owner.setdefault(entry.serial, cat)
         return entry.serial
 
+    for p, label in parameter_labels(model):  # quantized, adapters, frozen: named before the plain ones
+        claim(p, ("parameters", label))
     for p in params:
         claim(p, ("parameters", "parameters"))
     for b in model.buffers():
@@ -370,7 +373,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
         convs=tracer.convs, copies=tracer.copies, rnns=tracer.rnns, gemms=tracer.gemms,
         host_scalars=host_scalars, problem=problem, fused=bool(optimizer is not None and is_fused(optimizer)),
         uses_matmul=tracer.matmul, batch=batch, seq=seq, micro_batch=micro_batch,
-        param_count=sum(p.numel() for p in params), param_bytes=param_bytes, grad_bytes=grad_bytes,
+        param_count=count_parameters(model), param_bytes=param_bytes, grad_bytes=grad_bytes,
         state_bytes=state_bytes, unit_param_bytes=unit_bytes, wall=time.perf_counter() - t0,
         loss="" if opts.inference else _describe_loss(loss_used[0], model, specs), notes=notes,
         answered=tracer.answered,
