@@ -88,6 +88,26 @@ def test_line_magic_input_that_is_refused(shell, line, fragment):
     assert fragment in _usage_error(shell, f"%vram {line}")
 
 
+@pytest.mark.parametrize("options, fragment", [
+    ("--input 'torch.randn(4, 8)' --batch 0", "--batch must be a whole number of at least 1"),
+    ("--input 'torch.randn(4, 8)' --batch -3", "--batch must be a whole number of at least 1"),
+    ("--shape 8 --batch 0", "--batch must be a whole number of at least 1"),
+    ("--shape 8 --batch 2 --vocab 0", "--vocab must be a whole number of at least 1"),
+    ("--input 'torch.randn(4, 8)' --budget 1e400GiB", "more than any device has"),
+    ("--input 'torch.randn(4, 8)' --budget 0.4", "less than one byte"),
+    ("--input 'torch.randn(4, 8)' --accumulate 0", "accumulate must be a whole number"),
+    ("--input 'torch.randn(4, 8)' --world 0", "world must be a whole number"),
+    ("--input 'torch.randn(4, 8)' -o class", "not a Python keyword"),
+    ("--input 'torch.randn(4, 8)' --gpu H900", "unknown GPU"),
+    ("--input 'torch.randn(4, 8)' --dtype int3", "dtype must be one of"),
+    ("--input torch.randn(4, 8)", "quote"),
+    ("--input 'undefined_name'", "undefined_name"),
+])
+def test_estimate_magic_input_that_is_refused(shell, options, fragment):
+    run_ok(shell, "import torch\nm = torch.nn.Linear(8, 8)")
+    assert fragment in _usage_error(shell, f"%vram_estimate m --device cpu {options}")
+
+
 @pytest.mark.parametrize("make_path, fragment", [
     (lambda tmp: os.path.join(tmp, "missing", "x.pickle"), "does not exist"),
     (lambda tmp: tmp, "it is a folder"),

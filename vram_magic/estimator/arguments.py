@@ -46,6 +46,10 @@ OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--fsdp",), {"action": "store_true", "help": "FSDP full sharding (like ZeRO-3; needs --world)"}),
     (("--world",), {"type": int, "default": 1, "metavar": "N", "help": "number of ranks for --zero/--fsdp"}),
     (("--offload",), {"action": "store_true", "help": "optimizer state and step on the host"}),
+    (("--quantize",), {"metavar": "FORMAT", "help": "the linear layers' weights in int8, int4, nf4 or nf4-dq "
+                       "(frozen; the output head kept as it is)"}),
+    (("--lora",), {"type": int, "metavar": "R", "help": "rank-R LoRA adapters on the linear layers, the rest of "
+                   "the model frozen (with --quantize nf4: QLoRA)"}),
     (("--gpu",), {"help": "a GPU from the catalogue, e.g. A100-80GB, RTX-4090, T4"}),
     (("--budget",), {"metavar": "SIZE", "help": "device memory to fit into, e.g. 24GiB"}),
     (("--device",), {"default": "cuda", "help": "cuda (model a GPU, the default) or cpu (model a CPU run)"}),
@@ -156,6 +160,10 @@ def inputs_from(args: Any, ns: dict[str, Any]) -> Callable[[], Any]:
 def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     """``(model, inputs, keyword arguments of vram_magic.estimate)`` from parsed options; ``ValueError`` for
     bad input."""
+    for option in ("batch", "vocab"):
+        value = getattr(args, option, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{option} must be a whole number of at least 1, not {value}")
     model = evaluate(args.model, ns, "model")
     inputs = inputs_from(args, ns)
     optimizer: Any = args.optimizer
@@ -169,6 +177,7 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         optimizer=optimizer, inference=args.inference, dtype=args.dtype, amp=args.amp,
         master_weights=args.master_weights, checkpointing=args.checkpointing, accumulate=args.accumulate,
         zero=args.zero, fsdp=args.fsdp, world=args.world, offload=args.offload, gpu=args.gpu, budget=args.budget,
+        quantize=args.quantize, lora=args.lora,
         device=args.device, what_if=args.what_if, max_batch=args.max_batch, max_seq=args.max_seq,
     )
     if args.loss:

@@ -52,8 +52,9 @@ def run_estimate_magic(magics: Any, line: str) -> Estimate | None:
         print(_parser.parser.format_help())
         return None
     args = parse(line)
-    if args.output and not args.output.isidentifier():
-        raise UsageError(f"-o needs a variable name, got {args.output!r}")
+    from ..magics import _check_name
+
+    _check_name(args.output, "-o")
     ns = magics.shell.user_ns
     model, inputs, kwargs = build_kwargs(args, ns)
     if args.batch is not None and args.input:
@@ -65,19 +66,24 @@ def run_estimate_magic(magics: Any, line: str) -> Estimate | None:
         est = estimate(model, inputs, **kwargs) if batch is None else estimate_with_batch(model, inputs, batch, kwargs)
     except (ValueError, TypeError, EstimateError) as err:
         raise UsageError(str(err)) from None
+    if args.model.isidentifier():  # named as the user wrote it: module paths read "model.1", not "Sequential.1"
+        from dataclasses import replace
+
+        est = replace(est, model=args.model)
     if args.output:
         ns[args.output] = est
     if args.quiet:
         return None
+    from IPython.display import display
+
     if getattr(magics, "widget", False) and getattr(magics.shell, "kernel", None) is not None:
         try:
-            from IPython.display import display
-
             display(_bundle(est), raw=True)
             return None
         except Exception:  # no ipywidgets: the estimate renders itself as HTML and text
             pass
-    return est
+    display(est)  # shown wherever the magic stands in its cell, not only as the cell's last line
+    return None
 
 
 def _bundle(est: Estimate) -> dict[str, Any]:
