@@ -47,7 +47,10 @@ def rank_main(index: int, strategy: str, port: int, world: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=index, world_size=world)
     torch.manual_seed(0)
     if strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # PyTorch before 2.6
+            from torch.distributed._composable.fsdp import fully_shard
 
         with torch.device("meta"):
             model = Stack()

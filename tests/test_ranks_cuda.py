@@ -25,7 +25,10 @@ def _block(n: int) -> int:
 
 def _rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # PyTorch before 2.6
+        from torch.distributed._composable.fsdp import fully_shard
 
     import vram_magic
 

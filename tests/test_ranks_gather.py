@@ -47,7 +47,10 @@ def _model(strategy: str):
     torch.manual_seed(0)
     model = Net()
     if strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # PyTorch before 2.6
+            from torch.distributed._composable.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block)

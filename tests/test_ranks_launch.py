@@ -41,7 +41,10 @@ JOB = textwrap.dedent('''
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
         if strategy == "fsdp":
-            from torch.distributed.fsdp import fully_shard
+            try:
+                from torch.distributed.fsdp import fully_shard
+            except ImportError:  # PyTorch before 2.6
+                from torch.distributed._composable.fsdp import fully_shard
 
             for layer in model:
                 fully_shard(layer)

@@ -290,7 +290,7 @@ class _Walker:
                 buffers: list[tuple[Any, str]]) -> None:
         # straight from each submodule's dicts: much cheaper than parameters()/buffers() generators
         subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
-        fsdp = _FSDP in sys.modules  # no FSDP module can exist before PyTorch's FSDP2 is imported
+        fsdp = any(m in sys.modules for m in _FSDP)  # no FSDP module can exist before FSDP2 is imported
         for subname, sub in subs:
             names.setdefault(id(sub), subname)
             if fsdp:
@@ -395,7 +395,8 @@ class _Walker:
         return text
 
 
-_FSDP = "torch.distributed.fsdp._fully_shard._fully_shard"
+_FSDP = ("torch.distributed.fsdp._fully_shard._fully_shard",  # FSDP2's module (PyTorch 2.6 on)
+         "torch.distributed._composable.fsdp.fully_shard")  # where it lived before
 
 
 def _frozen(t: Any) -> bool:
