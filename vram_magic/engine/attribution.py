@@ -290,7 +290,7 @@ class _Walker:
                 buffers: list[tuple[Any, str]]) -> None:
         # straight from each submodule's dicts: much cheaper than parameters()/buffers() generators
         subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
-        fsdp = any(m in sys.modules for m in _FSDP)  # no FSDP module can exist before FSDP2 is imported
+        fsdp = any(path in sys.modules for path in _FSDP)  # no FSDP module can exist before FSDP2 is imported
         for subname, sub in subs:
             names.setdefault(id(sub), subname)
             if fsdp:
