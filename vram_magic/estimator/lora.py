@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .quantize import QuantLinear, linear_layers
+from .quantize import NotApplicable, QuantLinear, features, linear_layers
 
 
 def parse_lora(value: Any) -> int | None:
@@ -34,9 +34,9 @@ class LoraLinear(nn.Module):
     def __init__(self, base: nn.Module, r: int, alpha: float | None = None) -> None:
         super().__init__()
         self.base_layer = base
-        self.in_features, self.out_features = base.in_features, base.out_features
+        self.in_features, self.out_features = features(base)  # type: ignore[misc]
         weight = getattr(base, "weight", None)
-        floating = isinstance(base, nn.Linear) and weight is not None and weight.is_floating_point()
+        floating = not isinstance(base, QuantLinear) and weight is not None and weight.is_floating_point()
         dtype = weight.dtype if floating else torch.float32
         self.lora_A = nn.Linear(self.in_features, r, bias=False, dtype=dtype)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, dtype=dtype)
@@ -64,7 +64,8 @@ def add_adapters(model: nn.Module, r: int, mode: Any) -> str:
     """Freeze the fake model and put rank-``r`` adapters on its linear layers (not the head); say what."""
     layers = linear_layers(model)
     if not layers:
-        raise ValueError("lora: the model has no linear layers to put adapters on (nn.Linear layers)")
+        raise NotApplicable("lora: the model has no linear layers to put adapters on (nn.Linear, or transformers' "
+                            "Conv1D)")
     for p in model.parameters():
         p.requires_grad_(False)
     count = 0

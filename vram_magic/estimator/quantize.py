@@ -83,6 +83,23 @@ FORMATS: dict[str, QuantFormat] = {
     "nf4-dq": QuantFormat("nf4-dq", 4, 64, "nf4 in blocks of 64, absmax double-quantized to 8 bits with an fp32 "
                           "absmax per 256 blocks (bitsandbytes, QLoRA's double quantization)", "bitsandbytes"),
 }
+class NotApplicable(ValueError):
+    """``quantize=`` or ``lora=`` on a model with no linear layer: nothing to quantize or adapt (a what-if row
+    that does not apply is left out)."""
+
+
+def features(m: nn.Module) -> tuple[int, int] | None:
+    """``(in_features, out_features)`` of a linear layer: ``nn.Linear``, a stand-in, or transformers' ``Conv1D``
+    (GPT-2's linear layers, weight stored as ``(in, out)``); ``None`` for anything else."""
+    if isinstance(m, (nn.Linear, QuantLinear)):
+        return m.in_features, m.out_features
+    if type(m).__name__ == "Conv1D" and str(type(m).__module__).startswith("transformers"):
+        weight = getattr(m, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            return int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
 def parse_quantize(value: Any) -> str | None:
     """``None`` or a format name from :data:`FORMATS` (``ValueError`` naming them otherwise)."""
     if value is None or value is False:
@@ -196,9 +213,9 @@ class _Context:
     """What a forward outside autograd needs of ``ctx``."""
 
 
-def make_quant_linear(linear: nn.Linear, fmt: QuantFormat) -> QuantLinear:
-    """The stand-in of a fake ``nn.Linear`` in ``fmt`` (call under the fake mode)."""
-    out_f, in_f = linear.out_features, linear.in_features
+def make_quant_linear(linear: nn.Module, fmt: QuantFormat) -> QuantLinear:
+    """The stand-in of a fake linear layer in ``fmt`` (call under the fake mode)."""
+    in_f, out_f = features(linear)  # type: ignore[misc]
     dtype = linear.weight.dtype
     nested = -(-out_f * in_f // fmt.block) if fmt.nested else 0
     bias = None
@@ -221,8 +238,8 @@ def output_head(model: nn.Module) -> nn.Module | None:
         if isinstance(head, nn.Module):
             return head
     vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
-    linears = [m for m in model.modules() if isinstance(m, (nn.Linear, QuantLinear))]
-    if linears and vocab and linears[-1].out_features in vocab:
+    linears = [m for m in model.modules() if features(m) is not None]
+    if linears and vocab and features(linears[-1])[1] in vocab:  # type: ignore[index]
         return linears[-1]
     return None
 
@@ -233,7 +250,7 @@ def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     out = []
     for parent in model.modules():
         for name, child in parent._modules.items():
-            if isinstance(child, (nn.Linear, QuantLinear)) and child is not head:
+            if child is not head and features(child) is not None:
                 out.append((parent, name, child))
     return out
 
@@ -241,10 +258,10 @@ def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
 def quantize_model(model: nn.Module, name: str, mode: Any) -> str:
     """Replace the fake model's linear layers (not the head) by stand-ins in format ``name``; say what."""
     fmt = FORMATS[name]
-    layers = [(p, a, m) for p, a, m in linear_layers(model) if isinstance(m, nn.Linear)]
+    layers = [(p, a, m) for p, a, m in linear_layers(model) if not isinstance(m, QuantLinear)]
     if not layers:
-        raise ValueError(f"quantize={name!r}: the model has no linear layers to quantize (only nn.Linear layers "
-                         "are quantized)")
+        raise NotApplicable(f"quantize={name!r}: the model has no linear layers to quantize (nn.Linear, or "
+                            "transformers' Conv1D)")
     total = 0
     with mode:
         for parent, attr, linear in layers:
@@ -431,5 +448,5 @@ def parameter_labels(model: nn.Module) -> list[tuple[torch.Tensor, str]]:
     return out
 
 
-__all__ = ["FORMATS", "QuantFormat", "QuantLinear", "adapt", "count_parameters", "linear_layers", "output_head",
-           "parameter_labels", "parse_quantize", "quantize_model", "stand_ins"]
+__all__ = ["FORMATS", "NotApplicable", "QuantFormat", "QuantLinear", "adapt", "count_parameters", "features",
+           "linear_layers", "output_head", "parameter_labels", "parse_quantize", "quantize_model", "stand_ins"]

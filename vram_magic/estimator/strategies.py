@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .options import Options, optimizer_name
+from .quantize import NotApplicable
 from .result import Estimate, Strategy
 from .run import EstimateError
 
@@ -27,6 +28,7 @@ def candidates(opts: Options, batch: int | None) -> list[tuple[str, dict[str, An
     if opts.inference:
         if batch and batch >= 2:
             out.append(("half batch", {"batch": batch // 2}, 2, "two forward passes per batch"))
+        out.extend(_quantized(opts))
         return out
     if not opts.checkpointing:
         out.append(("activation checkpointing", {"checkpointing": True}, 1, "recomputes each block's forward"))
@@ -47,11 +49,37 @@ def candidates(opts: Options, batch: int | None) -> list[tuple[str, dict[str, An
         out.append((f"ZeRO-2 × {world} GPUs", {"zero": 2, "world": world}, 1, "per rank; reduce-scatter traffic"))
         out.append((f"FSDP (ZeRO-3) × {world} GPUs", {"zero": 3, "world": world}, 1,
                     "per rank; all-gathers each forward/backward"))
+    out.extend(_quantized(opts))
     if not opts.checkpointing and opts.amp is None and not low:
         out.append(("AMP bf16 + checkpointing", {"amp": torch.bfloat16, "checkpointing": True}, 1, ""))
         if batch and batch >= 4:
             out.append(("bf16 + checkpointing + accumulate 4",
                         {"dtype": torch.bfloat16, "checkpointing": True, "accumulate": 4}, 4, ""))
+    return out
+
+
+def _quantized(opts: Options) -> list[tuple[str, dict[str, Any], float, str]]:
+    """Quantized weights and adapters (quantize.py, lora.py): for inference int8 and nf4 weights; for training
+    LoRA adapters on the frozen model, and QLoRA (adapters on an nf4 base)."""
+    out: list[tuple[str, dict[str, Any], float, str]] = []
+    if opts.inference:
+        if not opts.quantize:
+            out.append(("int8 weights", {"quantize": "int8"}, 1, "linear layers in int8; each dequantized for its "
+                        "matmul"))
+            out.append(("nf4 weights", {"quantize": "nf4"}, 1, "linear layers in 4 bits (bitsandbytes NF4)"))
+        return out
+    if not opts.lora:
+        out.append(("LoRA r=16", {"lora": 16}, 1, "rank-16 adapters train, the model is frozen: another "
+                    "fine-tuning method"))
+        if not opts.quantize:
+            out.append(("QLoRA: nf4 + LoRA r=16", {"quantize": "nf4", "lora": 16}, 1, "adapters on a 4-bit "
+                        "frozen base; each matmul dequantizes its weight"))
+    elif not opts.quantize:
+        out.append((f"QLoRA: nf4 base + LoRA r={opts.lora}", {"quantize": "nf4"}, 1, "the frozen base in 4 bits; "
+                    "each matmul dequantizes its weight"))
+    elif opts.quantize == "nf4":
+        out.append(("nf4 with double quantization", {"quantize": "nf4-dq"}, 1, "block constants in 8 bits "
+                    "(QLoRA's recipe)"))
     return out
 
 
@@ -67,6 +95,8 @@ def what_if(base: Estimate) -> list[Strategy]:
     for name, changes, steps, note in candidates(opts, base.batch):
         try:
             est = evaluate(request, opts.with_(**changes), target)
+        except NotApplicable:  # quantize/LoRA rows on a model without linear layers
+            continue
         except (EstimateError, ValueError, TypeError) as err:
             rows.append(Strategy(name, 0, 0, 0, float("nan"), steps, None, f"could not run: {err}"))
             continue
