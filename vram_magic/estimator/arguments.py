@@ -50,10 +50,6 @@ OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                        "(frozen; the output head kept as it is)"}),
     (("--lora",), {"type": int, "metavar": "R", "help": "rank-R LoRA adapters on the linear layers, the rest of "
                    "the model frozen (with --quantize nf4: QLoRA)"}),
-    (("--quantize",), {"metavar": "FORMAT", "help": "the linear layers' weights in int8, int4, nf4 or nf4-dq "
-                       "(frozen; the output head kept as it is)"}),
-    (("--lora",), {"type": int, "metavar": "R", "help": "rank-R LoRA adapters on the linear layers, the rest of "
-                   "the model frozen (with --quantize nf4: QLoRA)"}),
     (("--gpu",), {"help": "a GPU from the catalogue, e.g. A100-80GB, RTX-4090, T4"}),
     (("--budget",), {"metavar": "SIZE", "help": "device memory to fit into, e.g. 24GiB"}),
     (("--device",), {"default": "cuda", "help": "cuda (model a GPU, the default) or cpu (model a CPU run)"}),
@@ -181,7 +177,6 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         optimizer=optimizer, inference=args.inference, dtype=args.dtype, amp=args.amp,
         master_weights=args.master_weights, checkpointing=args.checkpointing, accumulate=args.accumulate,
         zero=args.zero, fsdp=args.fsdp, world=args.world, offload=args.offload, gpu=args.gpu, budget=args.budget,
-        quantize=args.quantize, lora=args.lora,
         quantize=args.quantize, lora=args.lora,
         device=args.device, what_if=args.what_if, max_batch=args.max_batch, max_seq=args.max_seq,
     )
