@@ -89,16 +89,12 @@ def _measure(obj: Any) -> tuple[int, str, Any]:
     ops = torch.ops.quantized
     try:
         if "LinearPackedParams" in name:
-            try:
-                weight, bias = ops.linear_unpack(obj)
-                fp16 = False
-            except RuntimeError:  # an fp16 weight (dynamic quantization with dtype=torch.float16)
-                weight, bias = ops.linear_unpack_fp16(obj)
-                fp16 = True
+            weight, bias = ops.linear_unpack(obj)
+            fp16 = not weight.is_quantized  # dynamic quantization with dtype=torch.float16 unpacks to floats
             size = packed_bytes(weight, fp16)
             fmt = "fp16 packed, torch.ao" if fp16 else f"int8 packed {_scheme(weight)}, torch.ao"
             return size, fmt, bias
-        if "ConvPackedParams" in name:
+        if "Conv" in name and "PackedParams" in name:
             unpack = ops.conv3d_unpack if "Conv3d" in name else ops.conv2d_unpack  # 1-d convolutions pack as 2-d
             weight, bias = unpack(obj)
             return packed_bytes(weight), f"int8 packed {_scheme(weight)}, torch.ao", bias
