@@ -60,8 +60,9 @@ class LoraLinear(nn.Module):
         return f"r={self.r}"
 
 
-def add_adapters(model: nn.Module, r: int, mode: Any) -> str:
-    """Freeze the fake model and put rank-``r`` adapters on its linear layers (not the head); say what."""
+def add_adapters(model: nn.Module, r: int, mode: Any) -> tuple[nn.Module, str]:
+    """Freeze the fake model and put rank-``r`` adapters on its linear layers (not the head): the model (a new
+    one if it was a linear layer itself) and what was done."""
     layers = linear_layers(model)
     if not layers:
         raise NotApplicable("lora: the model has no linear layers to put adapters on (nn.Linear, or transformers' "
@@ -73,12 +74,15 @@ def add_adapters(model: nn.Module, r: int, mode: Any) -> str:
     with mode:
         for parent, attr, layer in layers:
             adapted = LoraLinear(layer, r)
-            parent._modules[attr] = adapted
+            if parent is None:
+                model = adapted
+            else:
+                parent._modules[attr] = adapted
             count += r * (adapted.in_features + adapted.out_features)
             dtypes.add(str(adapted.lora_A.weight.dtype).replace("torch.", ""))
     from .render import _count
 
-    return (f"LoRA: rank-{r} adapters on {len(layers)} linear layers (PEFT's all-linear, the output head "
+    return model, (f"LoRA: rank-{r} adapters on {len(layers)} linear layers (PEFT's all-linear, the output head "
             f"excluded), {_count(count)} trainable parameters in {'/'.join(sorted(dtypes))}; every other weight "
             "frozen: gradients and optimizer state for the adapters only")
 

@@ -244,10 +244,13 @@ def output_head(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """``(parent, attribute, layer)`` of every linear layer but the output head."""
+def linear_layers(model: nn.Module) -> list[tuple[nn.Module | None, str, nn.Module]]:
+    """``(parent, attribute, layer)`` of every linear layer but the output head (parent ``None``: the model is
+    one linear layer)."""
+    if features(model) is not None:
+        return [(None, "", model)]
     head = output_head(model)
-    out = []
+    out: list[tuple[nn.Module | None, str, nn.Module]] = []
     for parent in model.modules():
         for name, child in parent._modules.items():
             if child is not head and features(child) is not None:
@@ -255,8 +258,9 @@ def linear_layers(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     return out
 
 
-def quantize_model(model: nn.Module, name: str, mode: Any) -> str:
-    """Replace the fake model's linear layers (not the head) by stand-ins in format ``name``; say what."""
+def quantize_model(model: nn.Module, name: str, mode: Any) -> tuple[nn.Module, str]:
+    """Replace the fake model's linear layers (not the head) by stand-ins in format ``name``; the model (a new
+    one if it was a linear layer itself) and what was done."""
     fmt = FORMATS[name]
     layers = [(p, a, m) for p, a, m in linear_layers(model) if not isinstance(m, QuantLinear)]
     if not layers:
@@ -266,29 +270,34 @@ def quantize_model(model: nn.Module, name: str, mode: Any) -> str:
     with mode:
         for parent, attr, linear in layers:
             q = make_quant_linear(linear, fmt)
-            parent._modules[attr] = q
+            if parent is None:
+                model = q
+            else:
+                parent._modules[attr] = q
             total += fmt.layer_bytes(q.out_features, q.in_features)
     from ..units import format_bytes
 
     kept = ["the output head"] if output_head(model) is not None else []
     kept += ["embeddings"] if any(isinstance(m, nn.Embedding) for m in model.modules()) else []
     keep = f"; {' and '.join(kept)} and other layers kept as they are" if kept else ""
-    return (f"quantized: {len(layers)} linear layers in {fmt.label}, {format_bytes(total)} of weights and "
+    return model, (f"quantized: {len(layers)} linear layers in {fmt.label}, {format_bytes(total)} of weights and "
             f"constants; each matmul dequantizes its weight into a temporary of the compute dtype, in the forward "
             f"and again in the backward (bitsandbytes' path for inputs of many rows){keep}")
 
 
-def adapt(model: nn.Module, opts: Any, mode: Any) -> list[str]:
+def adapt(model: nn.Module, opts: Any, mode: Any) -> tuple[nn.Module, list[str]]:
     """``quantize=`` and ``lora=`` applied to the fake model (quantized first, adapters on the quantized
-    layers); the notes saying what was done."""
+    layers): the model, and the notes saying what was done."""
     notes = []
     if opts.quantize:
-        notes.append(quantize_model(model, opts.quantize, mode))
+        model, note = quantize_model(model, opts.quantize, mode)
+        notes.append(note)
     if opts.lora:
         from .lora import add_adapters
 
-        notes.append(add_adapters(model, opts.lora, mode))
-    return notes
+        model, note = add_adapters(model, opts.lora, mode)
+        notes.append(note)
+    return model, notes
 
 
 def stand_ins(model: nn.Module, mode: Any) -> dict[int, nn.Module]:

@@ -195,7 +195,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
         specs = resize(specs, 0, batch, micro_batch)
     with mode:
         inputs = from_specs(specs, opts.dtype if opts.amp is None else None)
-    notes: list[str] = adapt(model, opts, mode)  # quantize=, lora= (quantize.py, lora.py)
+    model, notes = adapt(model, opts, mode)  # quantize=, lora= (quantize.py, lora.py)
     if opts.inference:
         model.eval()
     else:
