@@ -133,15 +133,12 @@ def test_magic_options(shell):
 
 
 def test_command_line_options(capsys):
-    from vram_magic.estimator.cli import main
-
-    code = main(["torch.nn:Linear", "--input", "torch.randn(4, 4)", "--device", "cpu", "--json"])
-    assert code == 2  # a class with arguments is no builder: the options are read before that
-    capsys.readouterr()
-    from vram_magic.estimator.cli import parser
+    from vram_magic.estimator.cli import main, parser
 
     args = parser().parse_args(["m", "--quantize", "nf4", "--lora", "16"])
     assert (args.quantize, args.lora) == ("nf4", 16)
+    assert main(["torch.nn:Identity", "--input", "torch.randn(4, 4)", "--quantize", "int3"]) == 2
+    assert "int8, int4, nf4, nf4-dq" in capsys.readouterr().err
 
 
 # --- models already quantized ------------------------------------------------------------------------------------
