@@ -2,7 +2,7 @@
 
 The measured peak is ``vram_magic.measure(backend="allocator")``: PyTorch's profiler sees every allocation of the
 CPU allocator, including what quantized kernels allocate inside one op (bitsandbytes dequantizes a 4-bit weight
-inside ``gemm_4bit``, torch.ao's ``linear_dynamic`` keeps an fp32 buffer of the input's size); the namespace scan
+inside ``gemm_4bit``, torch.ao's ``linear_dynamic`` accumulates in an int32 buffer of the output's shape); the scan
 adds torch.ao's packed weights, which live outside PyTorch's allocator. Formats run here: torch.ao dynamic int8
 and torchao int8 weight-only inference; bitsandbytes NF4 inference (after the first forward, which on a CPU with
 AVX512-BF16 repacks the weights) and QLoRA training (PEFT's LoRA on bitsandbytes 4-bit layers, single and double
@@ -41,8 +41,8 @@ def _quiet():
 
 
 def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    torch.manual_seed(0)  # widths that change from layer to layer: buffers sized by the input or by the output differ
+    return nn.Sequential(nn.Linear(1024, 2048), nn.GELU(), nn.Linear(2048, 1024), nn.ReLU(), nn.Linear(1024, 256))
 
 
 def _inference(model: nn.Module, x: torch.Tensor) -> tuple[int, int, vram_magic.Estimate]:

@@ -15,8 +15,8 @@ What each library's matmul allocates (the memory a GPU's allocator or PyTorch's 
   block constants are dequantized first (an fp32 temporary per block).
 * ``ao-int8`` (torchao's ``Int8Tensor``): the transposed weight converted to the compute dtype, a matmul, the
   per-row scale applied as a new tensor, the bias added in place; autograd saves the converted weight.
-* ``fbgemm`` (``torch.ao``'s ``quantized::linear_dynamic``): the output, and inside the op an fp32 buffer of
-  the input's size.
+* ``fbgemm`` (``torch.ao``'s ``quantized::linear_dynamic``): inside the op an int32 accumulator of the output's
+  shape, then the output.
 * ``bnb-cpu`` (bitsandbytes' 4-bit inference once the CPU has repacked the weight): inside the op a bf16 copy of
   the input and a bf16 result, then the output in the input's dtype.
 """
@@ -144,17 +144,27 @@ def _fused(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
     """A fused quantized matmul: what the op allocates inside (freed before it returns) and its output."""
     shape = (*x.shape[:-1], layer.out_features)
     if layer.flavour == "fbgemm":
-        scratch = torch.empty(x.shape, dtype=torch.float32)
-        out = x.new_empty(shape)
+        scratch = torch.empty(shape, dtype=torch.int32)
+        out = _output(x, layer, shape)
         del scratch
         return out
     if x.dtype == torch.bfloat16:
-        return x.new_empty(shape)
+        return _output(x, layer, shape)
     a = torch.empty(x.shape, dtype=torch.bfloat16)
     result = torch.empty(shape, dtype=torch.bfloat16)
-    out = x.new_empty(shape)
+    out = _output(x, layer, shape)
     del a, result
     return out
+
+
+def _output(x: torch.Tensor, layer: QuantLinear, shape: tuple[int, ...]) -> torch.Tensor:
+    """A fused kernel's output, made by a matmul against the layer's *shadow* (a fake weight made with the layer,
+    never counted: only what an op returns is) so that its FLOPs are counted; fp32 only (a half-precision matmul
+    would be taken for a oneDNN GEMM with scratch of its own)."""
+    shadow = layer.__dict__.get("_shadow")
+    if x.dtype != torch.float32 or shadow is None:
+        return x.new_empty(shape)
+    return torch.mm(x.reshape(-1, layer.in_features), shadow).view(shape)
 
 
 class QuantLinear(nn.Module):
@@ -176,6 +186,8 @@ class QuantLinear(nn.Module):
             self.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
             self.roles[name] = role
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, False)
+        if flavour in ("fbgemm", "bnb-cpu"):  # made under the fake mode with the layer: see _output
+            self.__dict__["_shadow"] = torch.empty(in_features, out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype is not None and x.dtype != self.compute_dtype:
@@ -399,8 +411,10 @@ def _bnb_stand_in(m: nn.Module, weight: torch.Tensor, mode: Any, shared: dict[in
             scb = getattr(getattr(m, "state", None), "SCB", None)
         if isinstance(scb, torch.Tensor):
             tensors.append(("SCB", scb, "constants"))
-    q = QuantLinear(in_f, out_f, [], fmt=f"{fmt}, bitsandbytes", flavour=flavour, bias=_fake_bias(m, mode),
-                    compute_dtype=getattr(m, "compute_dtype", None), nested_blocks=nested, bits=bits)
+    bias = _fake_bias(m, mode)
+    with mode:
+        q = QuantLinear(in_f, out_f, [], fmt=f"{fmt}, bitsandbytes", flavour=flavour, bias=bias,
+                        compute_dtype=getattr(m, "compute_dtype", None), nested_blocks=nested, bits=bits)
     for name, t, role in tensors:
         q.register_parameter(name, _fake_param(t, mode, shared))
         q.roles[name] = role
