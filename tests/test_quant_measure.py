@@ -125,7 +125,10 @@ def test_static_quantized_conv_counted_from_its_layout():
 
 # --- torchao -------------------------------------------------------------------------------------------------
 def test_torchao_int8_weight_only():
-    quantization = pytest.importorskip("torchao.quantization")
+    try:
+        import torchao.quantization as quantization
+    except Exception as err:  # torchao 0.18 on an older PyTorch: AttributeError on import, not ImportError
+        pytest.skip(f"torchao does not import here: {type(err).__name__}: {err}")
     model = mlp()
     _quiet(lambda: quantization.quantize_(model, quantization.Int8WeightOnlyConfig()))
     m = _measure(model, torch.randn(16, K))

@@ -32,6 +32,19 @@ def measured(namespace: dict) -> Measurement:
     return Measurement("cpu", namespace=namespace, registry=LiveStorages(), backend="allocator")
 
 
+NEW_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+needs_transformers = pytest.mark.skipif(not NEW_TORCH, reason="transformers 5 and PEFT need PyTorch 2.6 or later")
+
+
+def torchao_quantization():
+    """torchao's quantization API, or a skip where it does not import (torchao 0.18 needs a recent PyTorch)."""
+    try:
+        import torchao.quantization as quantization
+    except Exception as err:  # an older PyTorch: AttributeError on import, not ImportError
+        pytest.skip(f"torchao does not import here: {type(err).__name__}: {err}")
+    return quantization
+
+
 @pytest.fixture(autouse=True)
 def _quiet():
     with warnings.catch_warnings():
@@ -68,7 +81,7 @@ def test_torch_ao_dynamic_int8_inference(batch):
 
 def test_torchao_int8_weight_only_inference():
     # fp32: half-precision CPU GEMMs add oneDNN scratch whose size varies from run to run (docs/estimate.md)
-    quantization = pytest.importorskip("torchao.quantization")
+    quantization = torchao_quantization()
     model = mlp()
     quantization.quantize_(model, quantization.Int8WeightOnlyConfig())
     measured, estimated, _ = _inference(model, torch.randn(32, 1024))
@@ -124,6 +137,7 @@ def _train_measured(model: nn.Module, batch: dict) -> int:
     return m.peak.total
 
 
+@needs_transformers
 @pytest.mark.parametrize("double", [False, True], ids=["nf4", "nf4-dq"])
 def test_qlora_training_as_it_is_and_from_the_float_model(double):
     peft = pytest.importorskip("peft")
@@ -139,6 +153,7 @@ def test_qlora_training_as_it_is_and_from_the_float_model(double):
     assert scratch.peak.parameters == as_it_is.peak.parameters  # the same layout, worked out from scratch
 
 
+@needs_transformers
 def test_lora_training_against_peft():
     peft = pytest.importorskip("peft")
     ids = torch.randint(0, 1000, (2, 64))

@@ -321,8 +321,9 @@ class _Walker:
         if key not in self.scan.owner:
             self.scan.owner[key] = ("parameters", f"{name} (frozen, {fmt})")
             self.scan.holders[key] = name
-        if isinstance(bias, torch.Tensor):
-            self.claim(bias, "parameters", name, name, frozen=True)
+        storage = bias.storage if bias is not None else None
+        if storage is not None:
+            self._own(storage, "parameters", f"{name} (frozen)", name)
 
     def _fsdp_buffers(self, name: str, state: Any) -> None:
         """What FSDP2 holds beside the sharded parameters: each unit's unsharded parameters (all-gather outputs,

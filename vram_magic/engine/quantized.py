@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-#: what a scan found of one packed object: (the object, its bytes, its format, a weak reference to the bias's
-#: storage or None); keyed by id(object), dropped when the object dies
-_packed: dict[int, tuple[Any, int, str, Any]] = {}
+#: what a scan found of one packed object: (a weak reference to it, its bytes, its format, its bias or None);
+#: keyed by id(object), dropped when the object dies
+_packed: dict[int, tuple[Any, int, str, Bias | None]] = {}
 _module_kinds: dict[type, bool] = {}
 _param_kinds: dict[type, str] = {}
 
@@ -55,19 +55,32 @@ def packed_objects(module: Any) -> list[tuple[Any, str]]:
     return out
 
 
-def packed_info(obj: Any) -> tuple[int, str, Any]:
-    """``(bytes, format, bias tensor or None)`` of one packed object, worked out from fbgemm's layout (cached:
-    unpacking copies the weight). ``(0, "", None)`` for an object of a kind this module does not know."""
+class Bias:
+    """The bias a packed object keeps: its storage (weakly: a storage's Python object lives as long as its memory,
+    while unpacking may hand out a new tensor each time), shape and dtype."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._storage = weakref.ref(t.untyped_storage())
+        self.shape, self.dtype = tuple(t.shape), t.dtype
+
+    @property
+    def storage(self) -> Any:
+        return self._storage()
+
+
+def packed_info(obj: Any) -> tuple[int, str, Bias | None]:
+    """``(bytes, format, bias or None)`` of one packed object, worked out from fbgemm's layout (cached: unpacking
+    copies the weight). ``(0, "", None)`` for an object of a kind this module does not know."""
     hit = _packed.get(id(obj))
     if hit is not None and hit[0]() is obj:
-        bias_ref = hit[3]
-        return hit[1], hit[2], bias_ref() if bias_ref is not None else None
-    size, fmt, bias = _measure(obj)
+        return hit[1], hit[2], hit[3]
+    size, fmt, tensor = _measure(obj)
+    bias = Bias(tensor) if isinstance(tensor, torch.Tensor) else None
     try:
         ref = weakref.ref(obj, lambda _r, key=id(obj): _packed.pop(key, None))
     except TypeError:
         return size, fmt, bias
-    _packed[id(obj)] = (ref, size, fmt, weakref.ref(bias) if bias is not None else None)
+    _packed[id(obj)] = (ref, size, fmt, bias)
     return size, fmt, bias
 
 

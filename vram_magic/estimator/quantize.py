@@ -331,7 +331,7 @@ def stand_ins(model: nn.Module, mode: Any) -> dict[int, nn.Module]:
                 size, fmt, bias = packed_info(obj)
                 with mode:
                     fake_bias = None if bias is None else nn.Parameter(
-                        torch.empty(bias.shape, dtype=bias.dtype), requires_grad=False)
+                        torch.empty(bias.shape, dtype=bias.dtype), requires_grad=False)  # kept in the object
                     out[id(m)] = QuantLinear(m.in_features, m.out_features, [("weight", (size,), torch.uint8, "data")],
                                              fmt=fmt, flavour="fbgemm", bias=fake_bias, bits=8)
                 continue
