@@ -2,9 +2,11 @@
 # CI browser stage: the display as users see it.
 #   1. a Jupyter server with JupyterLab and Notebook 7 (installed into the project's venv if missing) runs
 #      ci/browser/display_check.ipynb in headless Debian chromium (ci/browser/ui_check.mjs: live view, %vram watch,
-#      save and reload, dark theme, 800 px, an untrusted notebook, Notebook 7), asserting on the DOM;
+#      the per-rank view of two forked gloo ranks, save and reload, dark theme, 800 px, an untrusted notebook,
+#      Notebook 7), asserting on the DOM;
 #   2. the notebook JupyterLab saved is converted by nbconvert to HTML, plainly and with --sanitize-html (a stand-in
-#      for viewers that sanitize), and both pages are checked in chromium (ci/browser/check.mjs).
+#      for viewers that sanitize), and both pages are checked in chromium (ci/browser/check.mjs), the per-rank view
+#      in each.
 # Screenshots and measures go to ci-artifacts/ui/. Every non-local request of the browser is blocked.
 #
 # Run from the repository root as `bash ci/ui.sh` with the project's venv at .venv (or PYTHON=...). Needs no stdin.
@@ -87,7 +89,7 @@ for _ in $(seq 50); do
     "$PYTHON" -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$HTTP_PORT/')" 2>/dev/null && break
     sleep 0.1
 done
-CHROMIUM=$(command -v chromium) node ci/browser/check.mjs "http://127.0.0.1:$HTTP_PORT/" "$ART/screenshots" \
-    display_check.html display_check-sanitized.html
+CHROMIUM=$(command -v chromium) VRAM_EXPECT_RANKS=1 node ci/browser/check.mjs "http://127.0.0.1:$HTTP_PORT/" \
+    "$ART/screenshots" display_check.html display_check-sanitized.html
 
 step "done in $(($(date +%s) - START)) s; screenshots in ${ART#"$ROOT"/}/screenshots"

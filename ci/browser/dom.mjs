@@ -137,7 +137,8 @@ export function inspectReports() {
   const reports = [...document.querySelectorAll(".vram-report")].filter((r) => V.visible(r));
   return reports.map((r) => {
     const kind = r.classList.contains("vram-live") ? "live" : r.classList.contains("vram-estimate") ? "estimate"
-      : r.classList.contains("vram-watch") ? "watch" : r.classList.contains("vram-now") ? "now" : "report";
+      : r.classList.contains("vram-watch") ? "watch" : r.classList.contains("vram-now") ? "now"
+      : r.classList.contains("vram-ranks") ? "ranks" : "report";
     const rect = r.getBoundingClientRect();
     const area = r.closest(".jp-OutputArea-output") || r.parentElement;
     const areaRect = area.getBoundingClientRect();
@@ -154,8 +155,13 @@ export function inspectReports() {
       const limit = bar.querySelector(".vram-limit");
       const lr = limit ? limit.getBoundingClientRect() : null;
       const track = V.over(V.parse(getComputedStyle(bar).backgroundColor), V.background(bar.parentElement));
+      // the row's name (per-rank view: "rank 0 peak") and its thin markers (the estimate beside a rank's peak)
+      const nameEl = bar.closest(".vram-row")?.querySelector(".vram-name");
+      const marks = [...bar.querySelectorAll(".vram-mark")].map((m) => ({
+        x: m.getBoundingClientRect().left - b.left, title: m.title.replace(/\u00a0/g, " "), visible: V.visible(m) }));
       return { width: b.width, scale, segs, limitX: lr ? lr.left - b.left : null, trackLum: V.lum(track),
-               track: track.map(Math.round) };
+               track: track.map(Math.round), name: nameEl ? nameEl.textContent.replace(/\u00a0/g, " ").trim() : "",
+               marks };
     });
     const limitLabel = r.querySelector(".vram-limit-label");
     const llr = limitLabel ? limitLabel.getBoundingClientRect() : null;
@@ -177,6 +183,40 @@ export function inspectReports() {
       broken: V.brokenWords(r),
       wrapped: V.wrappedSizes(r),
       scrolls,
+      ranks: r.classList.contains("vram-ranks") ? (() => {
+        const texts = (sel) => [...r.querySelectorAll(sel)].map((e) => e.innerText.replace(/\u00a0/g, " ").trim());
+        return {
+          compareRows: [...r.querySelectorAll(".vram-ranks-compare .vram-compare-row")]
+            .map((row) => [...row.children].map((c) => c.textContent.replace(/\u00a0/g, " ").trim())),
+          compareHead: texts(".vram-ranks-compare .vram-head").join(" "),
+          imbalance: texts(".vram-imbalance"),
+          other: texts(".vram-rank-other"),
+          errors: texts(".vram-rank-error"),
+          notes: texts(".vram-bar-note"),
+          textbars: r.querySelectorAll(".vram-textbar").length,
+          textbarsHidden: [...r.querySelectorAll(".vram-textbar")].filter((t) => !V.visible(t)).length,
+          live: r.querySelectorAll(".vram-live").length,
+        };
+      })() : null,
+      // visible elements that reach past the output area's right edge outside a sideways-scrolling box: cut off
+      clipped: [...r.querySelectorAll("*")].filter((e) => !e.closest(".vram-scroll") && V.visible(e)
+        && e.getBoundingClientRect().right > areaRect.right + 1).map((e) => ({
+        where: [...e.classList].find((c) => c.startsWith("vram-"))
+          || [...e.parentElement.closest("[class*='vram-']").classList].find((c) => c.startsWith("vram-")),
+        inside: [...r.querySelectorAll("[class*='vram-']")].filter((a) => a.contains(e) && a !== e && a !== r)
+          .map((a) => [...a.classList].find((c) => c.startsWith("vram-"))),
+        past: e.getBoundingClientRect().right - areaRect.right, pastReport: e.getBoundingClientRect().right - rect.right,
+        text: e.textContent.replace(/\u00a0/g, " ").trim().slice(0, 30) })),
+      // axis labels drawn over one another (px of the widest overlap of two labels' text)
+      axisOverlap: [...r.querySelectorAll(".vram-axis")].map((axis) => {
+        const rs = [...axis.querySelectorAll(".vram-tick, .vram-limit-label")].filter(V.visible).map((e) => {
+          const range = document.createRange();
+          range.selectNodeContents(e);
+          return range.getBoundingClientRect();
+        });
+        // the widest horizontal intersection of two labels' text
+        return Math.max(0, ...rs.flatMap((a, i) => rs.slice(i + 1).map((q) => Math.min(a.right, q.right) - Math.max(a.left, q.left))));
+      }).reduce((a, b) => Math.max(a, b), 0),
       codeInAdvice: r.querySelectorAll(".vram-advice code").length,
       adviceText: [...r.querySelectorAll(".vram-advice")].map((a) => a.innerText).join("\n"),
       fitMarks: [...r.querySelectorAll(".vram-fits, .vram-fails")].map((m) => {

