@@ -66,8 +66,8 @@ def _sizes_not_printed(nb: nbformat.NotebookNode) -> list[str]:
     return sorted(size for size in quoted if size not in printed)
 
 
-def test_there_are_six_notebooks() -> None:
-    assert [p.name[:3] for p in NOTEBOOKS] == ["01_", "02_", "03_", "04_", "05_", "06_"]
+def test_there_are_seven_notebooks() -> None:
+    assert [p.name[:3] for p in NOTEBOOKS] == ["01_", "02_", "03_", "04_", "05_", "06_", "07_"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
