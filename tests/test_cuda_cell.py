@@ -47,7 +47,7 @@ class FakeGPU:
         mp.setattr(torch.cuda.memory, "_snapshot", self.snapshot)
         mp.setattr(torch.cuda, "set_per_process_memory_fraction", self.set_fraction)
         if self.has_getter:
-            mp.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index=None: self.fraction)
+            mp.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index=None: self.fraction, raising=False)
         else:
             mp.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
         return self

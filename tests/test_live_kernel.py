@@ -192,9 +192,10 @@ def test_watch_keeps_updating_while_other_cells_run(kernel: Kernel) -> None:
     # another cell runs (and, after a while, fills 128 MiB); the monitor is redrawn from its thread meanwhile
     other = kernel.run("time.sleep(0.8)\nbig = torch.ones(32 * 2**20)\ntime.sleep(1.5)\ndel big")
     during = [(t, d) for t, kind, did, d in displays(other["messages"]) if did == watch_id]
-    assert len(during) >= 6, f"{len(during)} redraws of the monitor during a 2.3 s cell"
+    # every 0.2 s: 11 in 2.3 s on a quiet machine; at least 4 however loaded the machine is
+    assert len(during) >= 4, f"{len(during)} redraws of the monitor during a 2.3 s cell"
     rss = [_bytes(re.search(r"process RSS ([\d.]+ \w+)", d["text/plain"]).group(1)) for _, d in during]
-    assert rss[-1] - rss[0] >= 100 * 2**20, f"process RSS followed the 128 MiB tensor: {rss}"
+    assert max(rss) - rss[0] >= 100 * 2**20, f"process RSS followed the 128 MiB tensor: {rss}"
     stop = kernel.run("%vram watch off")
     final = [d for _, kind, did, d in displays(stop["messages"]) if did == watch_id]
     assert final and "stopped" in final[-1]["text/plain"]
@@ -223,7 +224,7 @@ def test_opt_in_widget_view_carries_the_static_report_too(kernel: Kernel) -> Non
 def test_auto_mode_shows_the_live_view_too(kernel: Kernel) -> None:
     kernel.run("%vram auto on")
     try:
-        out = kernel.run("for _ in range(12):\n    y = model(x)\n    time.sleep(0.15)")
+        out = kernel.run("for _ in range(20):\n    y = model(x)\n    time.sleep(0.15)")  # 3 s: live after 1 s
     finally:
         kernel.run("%vram auto off")
     shown = displays(out["messages"])
