@@ -13,6 +13,7 @@ before the measurement ends, so the report is built exactly as without it.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 import uuid
@@ -64,9 +65,14 @@ class LiveView:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="vram-live", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> LiveView:
+        # The thread runs in a copy of this thread's context: the kernel's "parent" (the cell that started the
+        # view) is a context variable, so what the thread displays stays under that cell even once the next cell
+        # runs (a plain thread would send it to whichever cell is running at the time).
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._run,), name="vram-live", daemon=True)
         self._thread.start()
         return self
 
@@ -100,7 +106,7 @@ class LiveView:
         self._stop.set()
         with self._lock:
             self._stopped = True
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
+        if self._thread is not None and self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
     def finish(self, bundle: dict[str, Any] | None) -> None:

@@ -135,7 +135,7 @@ class Watch:
 
     @property
     def running(self) -> bool:
-        return self._view._thread.is_alive()
+        return self._view._thread is not None and self._view._thread.is_alive()
 
     def _sample(self) -> Sample:
         s = self._sampler()
