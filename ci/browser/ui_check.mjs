@@ -197,6 +197,7 @@ function checkReports(where, reports, { dark = false, narrow = false } = {}) {
     const clip = r.right - r.areaRight;
     if (narrow) measures[`${where}: ${r.kind} "${r.title.slice(0, 40)}" width`] = { report: r.width, area: r.areaRight - r.areaLeft, axisLabelsOverlapPx: Number(r.axisOverlap.toFixed(1)) };
     check(clip <= 1, `${where}: "${r.title.slice(0, 50)}" ends inside its output area (${clip.toFixed(1)} px past)`);
+    check(r.axisOverlap <= 1, `${where}: the axis labels of "${r.title.slice(0, 40)}" stay apart (${r.axisOverlap.toFixed(1)} px overlap)`);
     for (const s of r.scrolls) {
       check(s.scrollWidth <= s.clientWidth + 1 || ["auto", "scroll"].includes(s.overflowX),
         `${where}: a wide table in "${r.title.slice(0, 40)}" scrolls sideways (${s.scrollWidth} in ${s.clientWidth} px)`);

@@ -229,20 +229,14 @@ def _axis_html(scale: Scale) -> str:
     labels = []
     limit_at = scale.pct(scale.capacity) if scale.capacity is not None else None
     ticks = scale.ticks
-    # labels at both ends and the middle only: they stay apart in a narrow window (gridlines mark every tick)
-    middle = round((len(ticks) - 1) / 2) if len(ticks) > 2 else None
+    # labels at the two ends only (gridlines mark every tick): a bar may be 150 px wide in a narrow window, where
+    # a middle label runs into the end's; with a capacity marker, its own label replaces the far end's
     for i, t in enumerate(ticks):
-        at = scale.pct(t)
-        if i not in (0, len(ticks) - 1, middle):
+        if i not in (0, len(ticks) - 1):
             continue
-        if limit_at is not None and abs(at - limit_at) < 30:
-            continue  # the marker's label goes there
-        if i == 0:
-            pos = "left:0;text-align:left"
-        elif i == len(ticks) - 1:
-            pos = "right:0;text-align:right"
-        else:
-            pos = f"left:{at:.3f}%;margin-left:-3.5em;width:7em;text-align:center"
+        if limit_at is not None and i == len(ticks) - 1:
+            continue  # the marker's label says the size that matters
+        pos = "left:0;text-align:left" if i == 0 else "right:0;text-align:right"
         labels.append(f'<span class="vram-tick" style="display:block;position:absolute;{pos};white-space:nowrap">'
                       f'{"0" if t == 0 else format_bytes(t)}</span><span hidden="hidden"> · </span>')
     if limit_at is not None:
