@@ -7,6 +7,10 @@ new interpreter arms itself) and arms this process, so a child forked from it me
 a :class:`~vram_magic.ranks.result.RankReports`, with the error each rank raised — from its own report, or
 from what the launcher raised here (``torch.multiprocessing``'s ``ProcessRaisedException``, torch elastic's
 ``ChildFailedError``, also when wrapped by accelerate).
+
+Before the block runs, it asks whether a process forked from this one could run backward (see
+:mod:`vram_magic.ranks.forks`): when not, the block's first fork says what to do, and the per-rank view says it
+again if the ranks failed for it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 from dataclasses import replace
 from types import TracebackType
 
-from . import child
+from . import child, forks
 from .result import RankReports
 
 BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")
@@ -27,17 +31,27 @@ _ENV = (child.ENV_DIR, child.ENV_PARENT, "PYTHONPATH")
 
 class LaunchedRanks:
     """Measure every rank started inside the block. ``directory``: where the ranks write their reports (kept);
-    default: a temporary folder, removed once read. ``title``: the heading of the per-rank view."""
+    default: a temporary folder, removed once read. ``title``: the heading of the per-rank view.
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None, *, title: str = "ranks") -> None:
+    ``fork_advice``: what to say when ranks forked now could not run backward (this process has run one on an
+    accelerator build; :mod:`.forks`): ``True`` for the general advice, a text of one's own, or ``False`` not to
+    ask (a process that starts its ranks only as new programs). ``fork_refused`` then holds the answer (``None``:
+    not asked, or it could not be told)."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, *, title: str = "ranks",
+                 fork_advice: bool | str = True) -> None:
         self.directory = os.fspath(directory) if directory is not None else None
         self.title = title
+        self.fork_advice = fork_advice
+        self.fork_refused: bool | None = None
         self.reports: RankReports | None = None
         self._saved: dict[str, str | None] = {}
         self._folder = ""
         self._t0 = 0.0
 
     def __enter__(self) -> LaunchedRanks:
+        if self.fork_advice:
+            self.fork_refused = forks.forked_backward_refused()
         if self.directory is not None:
             os.makedirs(self.directory, exist_ok=True)
             for name in os.listdir(self.directory):  # a folder used before: this run's reports only
@@ -52,8 +66,13 @@ class LaunchedRanks:
         path = self._saved["PYTHONPATH"]
         os.environ["PYTHONPATH"] = BOOT + (os.pathsep + path if path else "")
         child.install("parent")
+        if self.fork_refused:
+            forks.notice_at_fork(self._advice())
         self._t0 = time.perf_counter()
         return self
+
+    def _advice(self) -> str:
+        return self.fork_advice if isinstance(self.fork_advice, str) else forks.advice()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -64,8 +83,12 @@ class LaunchedRanks:
             else:
                 os.environ[k] = v
         child.unpatch()
+        forks.notice_at_fork(None)
         try:
-            self.reports = collect(self._folder, exc, title=self.title, wall_time=wall)
+            reports = collect(self._folder, exc, title=self.title, wall_time=wall)
+            if forks.refused_in([r.error for r in reports] + [exc]):  # they failed for it: say what to do
+                reports = replace(reports, notes=reports.notes + (self._advice(),))
+            self.reports = reports
         finally:
             if self.directory is None:
                 shutil.rmtree(self._folder, ignore_errors=True)
@@ -132,7 +155,7 @@ def run(command: list[str], directory: str | None = None, *, title: str = "ranks
     """Run ``command`` (``torchrun … script.py``) with its ranks armed; its exit code and their reports."""
     import subprocess
 
-    with LaunchedRanks(directory, title=title) as launched:
+    with LaunchedRanks(directory, title=title, fork_advice=False) as launched:  # new programs: nothing forked
         code = subprocess.call(command)
     assert launched.reports is not None
     return code, launched.reports

@@ -8,6 +8,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
+from . import forks
 from .launch import LaunchedRanks
 from .result import RankReports
 
@@ -46,7 +47,8 @@ def run_ranks_cell(magics: Any, cell: str, args: Any) -> None:
     __tracebackhide__ = True  # noqa: F841
     shell = magics.shell
     est = check_options(args, shell.user_ns)
-    launched = LaunchedRanks(args.ranks_dir, title=f"%%vram cell {magics._cell_number()}")
+    launched = LaunchedRanks(args.ranks_dir, title=f"%%vram cell {magics._cell_number()}",
+                             fork_advice=forks.advice(args.estimate, args.output))
     value: Any = None
     try:
         with launched:
