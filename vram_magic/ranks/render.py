@@ -189,7 +189,8 @@ def _compare_html(reports: RankReports) -> str:
         ]))
     return (f'<div class="vram-ranks-compare" style="margin-top:4px"><div style="{SMALL}"><b>'
             f'{html.escape(_estimate_label(reports))} beside each rank\'s peak</b></div>'
-            f'{grid_html(lines, cls="vram-compare", style=SMALL)}</div>')
+            f'<div class="vram-scroll" style="overflow-x:auto;max-width:100%">'
+            f'{grid_html(lines, cls="vram-compare", style=SMALL)}</div></div>')
 
 
 def ranks_html(reports: RankReports) -> str:
