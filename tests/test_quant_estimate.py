@@ -168,6 +168,22 @@ def test_static_quantization_stops_naming_the_module_and_op_and_what_to_do():
     assert "input" not in text.split("(")[0]  # the inputs are not blamed
 
 
+def test_a_dynamically_quantized_lstm_stops_naming_its_op():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm, self.fc = nn.LSTM(32, 32), nn.Linear(32, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.lstm(x)[0])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = torch.ao.quantization.quantize_dynamic(Net(), {nn.LSTM, nn.Linear})
+    with pytest.raises(ValueError, match=r"module 'lstm' .* runs quantized::quantized_lstm on packed weights"):
+        vram_magic.estimate(model, torch.randn(5, 2, 32), inference=True, device="cpu")
+
+
 def test_dynamic_quantization_estimates_as_it_is():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -33,7 +33,9 @@ _param_kinds: dict[type, str] = {}
 _BNB_PARAMS = {"Params4bit": "4bit", "Int8Params": "int8"}
 
 
-def _is_ao_quantized(cls: type) -> bool:
+def is_ao_quantized(cls: type) -> bool:
+    """A module class of torch.ao's quantized modules (``torch.ao.nn.quantized``, its dynamic and intrinsic
+    variants); decided once per class."""
     hit = _module_kinds.get(cls)
     if hit is None:
         mod = str(getattr(cls, "__module__", ""))
@@ -45,7 +47,7 @@ def _is_ao_quantized(cls: type) -> bool:
 def packed_objects(module: Any) -> list[tuple[Any, str]]:
     """``[(packed object, attribute)]``: the TorchScript objects a ``torch.ao`` quantized module holds its
     weights in (none for every other module; decided once per class)."""
-    if not _is_ao_quantized(type(module)):
+    if not is_ao_quantized(type(module)):
         return []
     out = []
     for attr in ("_packed_params", "_packed_weight"):
@@ -181,4 +183,4 @@ def subclass_format(cls: type) -> str:
     return f"{fmt}, torchao {cls.__name__}"
 
 
-__all__ = ["packed_bytes", "packed_info", "packed_objects", "parameter_parts", "subclass_format"]
+__all__ = ["is_ao_quantized", "packed_bytes", "packed_info", "packed_objects", "parameter_parts", "subclass_format"]

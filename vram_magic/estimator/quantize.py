@@ -325,7 +325,7 @@ def stand_ins(model: nn.Module, mode: Any) -> dict[int, nn.Module]:
             continue
         cls = type(m)
         where = f"module {name or '(the model)'!r} ({cls.__module__}.{cls.__name__})"
-        if packed_objects(m) or isinstance(m.__dict__.get("_modules", {}).get("_packed_params"), nn.Module):
+        if packed_objects(m) or _holds_packed(m):
             if cls.__name__ == "Linear" and ".dynamic." in cls.__module__:
                 obj = m._packed_params._packed_params
                 size, fmt, bias = packed_info(obj)
@@ -337,12 +337,14 @@ def stand_ins(model: nn.Module, mode: Any) -> dict[int, nn.Module]:
                 continue
             if cls.__name__ == "LinearPackedParams":
                 continue  # inside a dynamic Linear, handled there
-            op = f"quantized::{cls.__name__.lower()}"
+            op = _OPS.get(cls.__name__, f"quantized::{cls.__name__.lower()}")
+            dynamic = ".dynamic." in cls.__module__
+            what = "packed weights" if dynamic else "packed int8 weights and quantized activations"
             raise ValueError(
-                f"{where} runs {op} on packed int8 weights and quantized activations, which fake tensors cannot run "
-                "(only dynamic quantization's Linear is estimated as it is). Estimate the float model instead with "
-                "quantize='int8', inference=True (the same 1 byte per weight, see docs/quantization.md), or measure "
-                "the quantized model itself with %%vram / vram_magic.measure()")
+                f"{where} runs {op} on {what}, which fake tensors cannot run (only dynamic quantization's Linear is "
+                "estimated as it is). Estimate the float model instead: quantize='int8', inference=True counts its "
+                "linear layers at 1 byte per weight (docs/quantization.md); or measure the quantized model itself "
+                "with %%vram / vram_magic.measure()")
         module = str(cls.__module__)
         weight = m.__dict__.get("_parameters", {}).get("weight")
         if module.startswith("bitsandbytes") and weight is not None and cls.__name__ in ("Linear4bit", "LinearNF4",
@@ -352,6 +354,20 @@ def stand_ins(model: nn.Module, mode: Any) -> dict[int, nn.Module]:
         if isinstance(m, nn.Linear) and weight is not None and subclass_format(type(weight)):
             out[id(m)] = _torchao_stand_in(m, weight, mode)
     return out
+
+
+_OPS = {"Linear": "quantized::linear", "LSTM": "quantized::quantized_lstm", "GRU": "quantized::quantized_gru",
+        "Embedding": "quantized::embedding_byte", "EmbeddingBag": "quantized::embedding_bag_byte"}
+
+
+def _holds_packed(m: nn.Module) -> bool:
+    """A torch.ao quantized module whose weights (its own or its submodules') are packed in TorchScript objects:
+    fake tensors can neither copy nor run them."""
+    from ..engine.quantized import is_ao_quantized
+
+    if not is_ao_quantized(type(m)):
+        return False
+    return any(isinstance(v, torch.ScriptObject) for sub in m.modules() for v in sub.__dict__.values())
 
 
 def _parents(model: nn.Module, name: str) -> list[nn.Module]:
