@@ -94,11 +94,12 @@ class Tracker(TorchDispatchMode):
         self.oom: dict[str, Any] | None = None
         self._optimizer_depth = 0
         self._modules: list[int] = []  # ids of the modules whose forward is running, innermost last
-        self._aliasing: dict[Any, bool] = {}
+        # per-op decisions, keyed by id(op): ops live as long as the process, and hashing an OpOverload runs Python
+        self._aliasing: dict[int, bool] = {}
         self._deferring: dict[Any, bool] = {}  # subclass types -> their ops are left to them (see _defers)
-        self._skipping: dict[Any, bool] = {}
+        self._skipping: dict[int, Any] = {}
         self._site: tuple[Any, ...] | None = None  # the site of every allocation while it is set
-        self._resizing: dict[Any, bool] = {}
+        self._resizing: dict[int, bool] = {}
         self._hooks: list[Any] = []
         self._lookup = registry.get
         # serial -> (category, id of the optimizer) for storages whose role the optimizer step revealed
@@ -349,7 +350,7 @@ class Tracker(TorchDispatchMode):
             return
         entry = self._lookup(id(storage))
         if entry is not None:
-            resizes = self._resizing.get(func)
+            resizes = self._resizing.get(id(func))
             if resizes is None:
                 resizes = self._resizes(func)
             if resizes and entry.device == self.device:  # out=, resize_, set_ can grow it
@@ -370,7 +371,7 @@ class Tracker(TorchDispatchMode):
                     self._raise_oom(entry.size, depth=3)
                 self._record(entry, depth=3)
             return
-        aliases = self._aliasing.get(func)
+        aliases = self._aliasing.get(id(func))
         if aliases is None:
             aliases = self._aliases(func)
         if aliases:
@@ -409,12 +410,12 @@ class Tracker(TorchDispatchMode):
             self.peak_index = len(events)
 
     def _resizes(self, func: Any) -> bool:
-        hit = self._resizing.get(func)
+        hit = self._resizing.get(id(func))
         if hit is None:
             name = getattr(func, "_overloadname", "")
             base = str(getattr(func, "__name__", "")).split(".")[0]
             hit = "out" in name or base in ("resize_", "resize_as_", "set_")
-            self._resizing[func] = hit
+            self._resizing[id(func)] = hit
         return hit
 
     def _skips(self, func: Any) -> Any:
@@ -423,7 +424,7 @@ class Tracker(TorchDispatchMode):
         is its decomposition (it reaches a mode whole only under inference_mode)."""
         if func is _SCOPE_ENTER or func is _SCOPE_EXIT:
             hit: Any = self._scope_enter if func is _SCOPE_ENTER else self._scope_exit
-            self._skipping[func] = hit
+            self._skipping[id(func)] = hit
             return hit
         try:
             returns = func._schema.returns
@@ -433,7 +434,7 @@ class Tracker(TorchDispatchMode):
             hit = False
         if not hit and _is_composite(func):
             hit = _DECOMPOSE
-        self._skipping[func] = hit
+        self._skipping[id(func)] = hit
         return hit
 
     def _defers(self, types: Any) -> bool:
@@ -448,13 +449,13 @@ class Tracker(TorchDispatchMode):
         return hit
 
     def _aliases(self, func: Any) -> bool:
-        hit = self._aliasing.get(func)
+        hit = self._aliasing.get(id(func))
         if hit is None:
             try:
                 hit = any(r.alias_info is not None for r in func._schema.returns) and func not in _FRESH
             except AttributeError:
                 hit = False
-            self._aliasing[func] = hit
+            self._aliasing[id(func)] = hit
         return hit
 
     # --- FSDP's collectives and storages resized in place ------------------------------------------
@@ -514,31 +515,32 @@ class Tracker(TorchDispatchMode):
                 # is made (FSDP2's optimizer state and temporaries), not only at the end of the block.
                 return NotImplemented
         # What to do with the op, decided once per op (see _skips)
-        skip = self._skipping.get(func)
+        skip = self._skipping.get(id(func))
         if skip is None:
             skip = self._skips(func)
         if skip is _DECOMPOSE:
             # Under inference_mode, composite ops (linear, cross_entropy) reach the mode whole, and their parts
             # (the log-softmax inside a loss) would allocate out of sight: run their decomposition, with this
-            # mode seeing each part.
-            _push_mode(self)
-            try:
-                out = func.decompose(*args, **(kwargs or {}))
-            finally:
-                _pop_mode()
-            if out is not NotImplemented:
-                return out
+            # mode seeing each part (not while torch.compile traces: its graph is its own).
+            if not (_DYNAMO in _loaded and _is_compiling()):
+                _push_mode(self)
+                try:
+                    out = func.decompose(*args, **(kwargs or {}))
+                finally:
+                    _pop_mode()
+                if out is not NotImplemented:
+                    return out
             skip = False
         # A plain OpOverload's __call__ only forwards to its C++ entry point: calling that directly saves a
         # Python frame per op. Subclasses (torchbind ops) and higher-order operators are called as they are.
         out = (func._op if type(func) is _OpOverload else func)(*args, **(kwargs or {}))
-        # torch.compile tracing: stay out of its graph
-        if _DYNAMO in _loaded and _is_compiling():  # no tracing without dynamo imported
-            return out
         # In-place ops and views return an input's storage (known, or alive before the block): nothing new.
         if skip:
             if skip is not True:  # a named scope opens or closes
                 skip(args, out)
+            return out
+        # torch.compile tracing: stay out of its graph
+        if _DYNAMO in _loaded and _is_compiling():  # no tracing without dynamo imported
             return out
         # _see_outputs, inlined: this runs once per op
         if isinstance(out, torch.Tensor):
