@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import two_steps
 from torch import nn
 
 import vram_magic
@@ -78,16 +79,6 @@ def test_cuda_model_rounds_drops_host_counters_and_adds_workspaces(linear):
     assert "CUDA context" in str(est) and "modelled" in est._repr_mimebundle_()["text/html"]
 
 
-def _two_steps(model, x, opt):
-    for _ in range(2):
-        out = model(x)
-        loss = out.sum()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        del out, loss
-
-
 def test_matches_a_real_cpu_training_run_to_the_byte():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.GELU(), nn.Linear(2048, 10))
@@ -95,7 +86,7 @@ def test_matches_a_real_cpu_training_run_to_the_byte():
     est = vram_magic.estimate(model, x, optimizer="adamw", device="cpu")
     opt = torch.optim.AdamW(model.parameters())
     with vram_magic.measure(namespace={"model": model, "x": x, "opt": opt}) as real:
-        _two_steps(model, x, opt)
+        two_steps(model, x, opt)
     assert est.peak.total == real.peak.total
     table = est.compare(real)
     assert table.loc["total", "error"] == 0
@@ -147,7 +138,7 @@ def test_conv_net_within_two_percent_of_the_profilers_peak():
     def real():
         torch.manual_seed(0)
         model, x = build(), torch.randn(8, 3, 96, 96)
-        _two_steps(model, x, torch.optim.AdamW(model.parameters()))
+        two_steps(model, x, torch.optim.AdamW(model.parameters()))
 
     measured = _profiler_peak(real)
     assert abs(est.peak.total - measured) / measured < 0.02

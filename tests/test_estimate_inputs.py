@@ -157,7 +157,7 @@ def test_pointwise_chain_matches_measure_and_the_profiler():
     """Each temporary of the chain is freed as soon as the next op has read it: the estimate holds no
     activation-sized tensor more than the real step (byte-exact against measure(), within 0.5 % of the
     profiler)."""
-    from test_hf_models import _profiled_step_peak
+    from conftest import profiled_step_peak, two_steps
     from torch.profiler import ProfilerActivity, profile
 
     def build():
@@ -167,25 +167,16 @@ def test_pointwise_chain_matches_measure_and_the_profiler():
     model, x = build(), torch.randn(1024, 256)
     est = vram_magic.estimate(model, x, device="cpu")
 
-    def steps(opt):
-        for _ in range(2):
-            out = model(x)
-            loss = out.sum()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del out, loss
-
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     with vram_magic.measure(namespace={"model": model, "x": x, "opt": opt}) as real:
-        steps(opt)
+        two_steps(model, x, opt)
     assert est.peak.total == real.peak.total
     torch.manual_seed(0)
     model, x = build(), torch.randn(1024, 256)
     base = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), x])
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        steps(torch.optim.AdamW(model.parameters(), foreach=False))
-    profiled = base + _profiled_step_peak(prof)
+        two_steps(model, x, torch.optim.AdamW(model.parameters(), foreach=False))
+    profiled = base + profiled_step_peak(prof)
     assert abs(est.peak.total - profiled) / profiled < 0.005, (est.peak.total, profiled)
 
 

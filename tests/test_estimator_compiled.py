@@ -68,7 +68,7 @@ def _call(model: nn.Module, inputs: dict | tuple) -> torch.Tensor:
 
 def real_compiled_peak(model: nn.Module, inputs: dict | tuple) -> int:
     """Two AdamW steps of the compiled model under the profiler, after a first call that compiles it."""
-    from test_hf_models import _profiled_step_peak
+    from conftest import profiled_step_peak
     from torch.profiler import ProfilerActivity, profile
 
     compiled = torch.compile(model)
@@ -86,7 +86,7 @@ def real_compiled_peak(model: nn.Module, inputs: dict | tuple) -> int:
             opt.step()
             opt.zero_grad(set_to_none=True)
             del loss
-    return base + _profiled_step_peak(prof)
+    return base + profiled_step_peak(prof)
 
 
 def gpt2_and_batch() -> tuple[nn.Module, dict]:

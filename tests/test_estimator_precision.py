@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import profiled_step_peak
 from torch import nn
 
 import vram_magic
@@ -62,20 +63,6 @@ def test_master_weights_bytes_by_hand():
     assert m.weight.dtype == torch.float32 and m.weight.grad is None
 
 
-def _profiled_step_peak(prof) -> int:
-    from torch._C._profiler import _EventType
-
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
-            events.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].total_allocated))
-        stack.extend(node.children)
-    events.sort()
-    return max(t for _, _, t in events) - (events[0][2] - events[0][1])
-
-
 def test_master_weights_step_matches_a_real_mixed_precision_step():
     """Two steps as mixed-precision trainers run them: bf16 model, fp32 master copy updated by AdamW, gradients
     cast to fp32 for the update and the result copied back."""
@@ -109,7 +96,7 @@ def test_master_weights_step_matches_a_real_mixed_precision_step():
             for p in params:
                 p.grad = None
             del out, loss
-    real = base + _profiled_step_peak(prof)
+    real = base + profiled_step_peak(prof)
     assert abs(est.peak.total - real) / real < 0.005, (est.peak.total, real)
 
 

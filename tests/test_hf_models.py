@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import profiled_step_peak
 
 import vram_magic
 
@@ -123,21 +124,7 @@ def real_peak(build, make_inputs, *, inference=False, amp=None, checkpointing=Fa
                 opt.zero_grad(set_to_none=True)
                 del out, loss
         del model, inputs
-    return sum(storages.values()) + _profiled_step_peak(prof)
-
-
-def _profiled_step_peak(prof) -> int:
-    from torch._C._profiler import _EventType
-
-    events = []
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
-            events.append((node.start_time_ns, node.typed[1].alloc_size, node.typed[1].total_allocated))
-        stack.extend(node.children)
-    events.sort()
-    return max(t for _, _, t in events) - (events[0][2] - events[0][1])
+    return sum(storages.values()) + profiled_step_peak(prof)
 
 
 MODES = {
