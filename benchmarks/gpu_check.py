@@ -15,7 +15,10 @@
 4. **overhead** of a measured cell on a launch-bound model (a 2 x 256 MLP, batch 32, 200 AdamW steps in one
    cell: tiny ops, the worst case), both backends;
 5. **a compiled model** (inductor, warmed up) stepped in a ``%%vram`` cell: the allocator backend is chosen,
-   nothing recompiles, and the cell's peak matches ``max_memory_allocated`` of the same step unmeasured.
+   nothing recompiles, and the cell's peak matches ``max_memory_allocated`` of the same step unmeasured;
+6. **cuDNN's workspace** beyond each convolution's tensors, forward and backward, per distinct convolution of the
+   zoo's conv models, with ``cudnn.benchmark`` off and on: the figures that should replace the estimator's
+   constant (``CUDNN_WORKSPACE``, 64 MiB per convolution).
 
 ``--report FILE`` writes the tables to a file too. The exit status is 1 if any check failed.
 """
@@ -407,6 +410,95 @@ def compiled_model(out: list[str], dry: bool, deadline: float) -> Table:
     return t
 
 
+# --- 6. cuDNN's workspace per convolution ------------------------------------------------------------------
+CUDNN_CHILD = """
+import json, sys, torch
+sys.path.insert(0, {here!r})
+from zoo import ZOO
+DEV = {device!r}
+torch.backends.cudnn.benchmark = {benchmark!r}
+shapes = {{}}  # (in, out, kernel, stride, padding, dilation, groups, input shape) -> model
+for name in ("ConvNet+BN", "U-Net"):
+    build, make_inputs = ZOO[name]
+    model = build()
+    def seen(m, a, name=name):  # returns None: the input stays as it is
+        shapes.setdefault((m.in_channels, m.out_channels, m.kernel_size, m.stride, m.padding, m.dilation, m.groups,
+                           tuple(a[0].shape)), name)
+    hooks = [m.register_forward_pre_hook(seen) for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    with torch.no_grad():
+        model(make_inputs())
+    for h in hooks:
+        h.remove()
+class NoDevice:  # a dry run: the same steps on the CPU, with every counter reading 0
+    synchronize = reset_peak_memory_stats = staticmethod(lambda: None)
+    max_memory_allocated = memory_allocated = staticmethod(lambda: 0)
+M = torch.cuda if DEV == "cuda" else NoDevice
+rows = []
+for i, ((cin, cout, k, s, p, d, g, shape), name) in enumerate(shapes.items()):
+    conv_name = f"{{cin}}->{{cout}} k{{k[0]}} s{{s[0]}} on {{list(shape)}}"
+    row = {{"model": name, "conv": conv_name, "fwd": None, "bwd": None}}
+    if DEV == "cuda" or i < 2:  # a dry run steps two of them on the CPU
+        conv = torch.nn.Conv2d(cin, cout, k, s, p, d, g).to(DEV)
+        x = torch.randn(shape, device=DEV, requires_grad=True)
+        for _ in range(2):  # the first call chooses the algorithm (benchmark mode tries several)
+            y = conv(x)
+            y.backward(torch.ones_like(y))
+        x.grad = None
+        conv.zero_grad(set_to_none=True)
+        del y
+        M.synchronize()
+        M.reset_peak_memory_stats()  # a process of its own: nobody else's counter to spoil
+        y = conv(x)
+        M.synchronize()
+        row["fwd"] = M.max_memory_allocated() - M.memory_allocated()  # above input, weights and output
+        g_out = torch.ones_like(y)
+        M.synchronize()
+        M.reset_peak_memory_stats()
+        y.backward(g_out)
+        M.synchronize()
+        row["bwd"] = M.max_memory_allocated() - M.memory_allocated()  # above the gradients it made
+        del y, g_out, x, conv
+    rows.append(row)
+print(json.dumps(rows))
+"""
+
+
+def cudnn_workspace(out: list[str], dry: bool, deadline: float) -> Table:
+    """What cuDNN takes beyond a convolution's tensors, per distinct convolution of the zoo's conv models: the
+    figure the estimator models as a constant (``cuda_model.CUDNN_WORKSPACE``), to be set from these numbers."""
+    sys.path.insert(0, ROOT)
+    from vram_magic.estimator.cuda_model import CUDNN_WORKSPACE
+
+    mib = 2**20
+    t = Table(f"cuDNN workspace per convolution, beyond its tensors (modelled: {CUDNN_WORKSPACE / mib:g} MiB each)",
+              out)
+    for benchmark in (False, True):
+        label = f"cudnn.benchmark={benchmark}"
+        if time.monotonic() > deadline - 30:
+            t.add(label, "SKIP", "out of time")
+            continue
+        code = CUDNN_CHILD.format(here=HERE, device="cpu" if dry else "cuda", benchmark=benchmark)
+        try:
+            done = run([sys.executable, "-c", code], min(deadline - time.monotonic(), 120), pythonpath_env())
+        except subprocess.TimeoutExpired:
+            t.add(label, "FAIL", "timed out")
+            continue
+        if done.returncode != 0:
+            t.add(label, "FAIL", (done.stderr.strip().splitlines() or ["?"])[-1][:150])
+            continue
+        rows = json.loads(done.stdout.strip().splitlines()[-1])
+        if dry:
+            stepped = sum(r["fwd"] is not None for r in rows)
+            t.add(label, "SKIP", f"dry run: {len(rows)} distinct convolutions found, {stepped} stepped on the CPU")
+            continue
+        for r in rows:
+            t.add(f"{label} {r['model']} {r['conv']}", "INFO",
+                  f"forward {r['fwd'] / mib:.2f} MiB, backward {r['bwd'] / mib:.2f} MiB")
+        worst = max(max(r["fwd"], r["bwd"]) for r in rows)
+        t.add(f"{label}: the largest", "INFO", f"{worst / mib:.2f} MiB (modelled {CUDNN_WORKSPACE / mib:g} MiB)")
+    return t
+
+
 def download_wheels(target: str) -> int:
     """Wheels for a Python 3.12 x86-64 Linux box with PyTorch but no package index (see docs/cuda.md)."""
     os.makedirs(target, exist_ok=True)
@@ -455,6 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     tables.append(overhead(out, args.dry_run or not has_gpu))
     tables[-1].print()
     tables.append(compiled_model(out, args.dry_run or not has_gpu, deadline))
+    tables[-1].print()
+    tables.append(cudnn_workspace(out, args.dry_run or not has_gpu, deadline))
     tables[-1].print()
     failed = [t.title for t in tables if t.failed]
     summary = f"== {'FAIL: ' + '; '.join(failed) if failed else 'all checks passed or skipped'} " \

@@ -21,6 +21,19 @@ from .registry import Entry, LiveStorages, storage_size
 from .tensors import is_wrapper
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
+
+
+class _CompilingFlag:
+    """For a torch without ``torch.compiler._is_compiling_flag``: the same attribute, read through the function."""
+
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return bool(_is_compiling())
+
+
+# Read as an attribute on every op: torch.compiler.is_compiling() is a Python call (~1 µs in between kernels)
+# that returns this flag, which dynamo holds True while it traces.
+_compiler: Any = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilingFlag()
 _current_node = torch._C._current_autograd_node
 _OpOverload = torch._ops.OpOverload
 _loaded = sys.modules
@@ -32,6 +45,7 @@ _Parameter = torch.nn.Parameter
 # alias: its storage is new memory, made now.
 _FRESH = frozenset(op for op in (getattr(torch.ops.aten, "lift_fresh", None),) if op is not None) | frozenset(
     op.default for op in (getattr(torch.ops.aten, "lift_fresh", None),) if op is not None)
+_FRESH_IDS = frozenset(map(id, _FRESH))  # looked up by id: hashing an OpOverload runs Python (they live forever)
 
 # PyTorch's named scopes (``torch.profiler.record_function``) pass through dispatch as these two ops; FSDP2 wraps
 # its collectives in scopes named ``FSDP::…``, which is how its buffers are told from the model's memory.
@@ -364,7 +378,7 @@ class Tracker(TorchDispatchMode):
         if (not t.is_cpu) if self._cpu else (t.device != self._torch_device):
             self.registry.add(storage)  # another device: known for its own reports, not counted here
             return
-        if func in _FRESH:  # torch.tensor, torch.from_numpy: memory made outside dispatch, maybe shared
+        if id(func) in _FRESH_IDS:  # torch.tensor, torch.from_numpy: memory made outside dispatch, maybe shared
             entry = self.registry.add(storage)  # size 0 when it shares a live storage's memory
             if entry.size:
                 if self.budget is not None and self.current + entry.size > self.budget:
@@ -522,7 +536,7 @@ class Tracker(TorchDispatchMode):
             # Under inference_mode, composite ops (linear, cross_entropy) reach the mode whole, and their parts
             # (the log-softmax inside a loss) would allocate out of sight: run their decomposition, with this
             # mode seeing each part (not while torch.compile traces: its graph is its own).
-            if not (_DYNAMO in _loaded and _is_compiling()):
+            if not (_DYNAMO in _loaded and _compiler._is_compiling_flag):
                 _push_mode(self)
                 try:
                     out = func.decompose(*args, **(kwargs or {}))
@@ -540,7 +554,7 @@ class Tracker(TorchDispatchMode):
                 skip(args, out)
             return out
         # torch.compile tracing: stay out of its graph
-        if _DYNAMO in _loaded and _is_compiling():  # no tracing without dynamo imported
+        if _DYNAMO in _loaded and _compiler._is_compiling_flag:  # no tracing without dynamo imported
             return out
         # _see_outputs, inlined: this runs once per op
         if isinstance(out, torch.Tensor):
