@@ -108,12 +108,12 @@ class Tracker(TorchDispatchMode):
         self.oom: dict[str, Any] | None = None
         self._optimizer_depth = 0
         self._modules: list[int] = []  # ids of the modules whose forward is running, innermost last
-        # per-op decisions, keyed by id(op): ops live as long as the process, and hashing an OpOverload runs Python
-        self._aliasing: dict[int, bool] = {}
+        # per-op decisions, shared by every tracker of the process (see _decided)
+        self._aliasing = _ALIASING
         self._deferring: dict[Any, bool] = {}  # subclass types -> their ops are left to them (see _defers)
-        self._skipping: dict[int, Any] = {}
+        self._skipping = _SKIPPING
         self._site: tuple[Any, ...] | None = None  # the site of every allocation while it is set
-        self._resizing: dict[int, bool] = {}
+        self._resizing = _RESIZING
         self._hooks: list[Any] = []
         self._lookup = registry.get
         # serial -> (category, id of the optimizer) for storages whose role the optimizer step revealed
@@ -429,7 +429,7 @@ class Tracker(TorchDispatchMode):
             name = getattr(func, "_overloadname", "")
             base = str(getattr(func, "__name__", "")).split(".")[0]
             hit = "out" in name or base in ("resize_", "resize_as_", "set_")
-            self._resizing[id(func)] = hit
+            self._resizing[_decided(func)] = hit
         return hit
 
     def _skips(self, func: Any) -> Any:
@@ -437,8 +437,8 @@ class Tracker(TorchDispatchMode):
         ops are skipped too, with their handler in place of ``True``; ``_DECOMPOSE`` for an op whose only kernel
         is its decomposition (it reaches a mode whole only under inference_mode)."""
         if func is _SCOPE_ENTER or func is _SCOPE_EXIT:
-            hit: Any = self._scope_enter if func is _SCOPE_ENTER else self._scope_exit
-            self._skipping[id(func)] = hit
+            hit: Any = _SCOPE_IN if func is _SCOPE_ENTER else _SCOPE_OUT
+            self._skipping[_decided(func)] = hit
             return hit
         try:
             returns = func._schema.returns
@@ -448,7 +448,7 @@ class Tracker(TorchDispatchMode):
             hit = False
         if not hit and _is_composite(func):
             hit = _DECOMPOSE
-        self._skipping[id(func)] = hit
+        self._skipping[_decided(func)] = hit
         return hit
 
     def _defers(self, types: Any) -> bool:
@@ -469,7 +469,7 @@ class Tracker(TorchDispatchMode):
                 hit = any(r.alias_info is not None for r in func._schema.returns) and func not in _FRESH
             except AttributeError:
                 hit = False
-            self._aliasing[id(func)] = hit
+            self._aliasing[_decided(func)] = hit
         return hit
 
     # --- FSDP's collectives and storages resized in place ------------------------------------------
@@ -551,7 +551,7 @@ class Tracker(TorchDispatchMode):
         # In-place ops and views return an input's storage (known, or alive before the block): nothing new.
         if skip:
             if skip is not True:  # a named scope opens or closes
-                skip(args, out)
+                (self._scope_enter if skip is _SCOPE_IN else self._scope_exit)(args, out)
             return out
         # torch.compile tracing: stay out of its graph
         if _DYNAMO in _loaded and _compiler._is_compiling_flag:  # no tracing without dynamo imported
@@ -614,6 +614,22 @@ _user_steps: dict[type, bool] = {}
 
 
 _DECOMPOSE = object()
+_SCOPE_IN, _SCOPE_OUT = object(), object()  # what _skips says of the two scope ops
+
+# What each op is, decided once per process and shared by every tracker (a measured block used to decide them
+# again for every op it met, at its own cost): id(op) -> the decision. The ops are kept in _DECIDED so that an
+# id is never reused by another op (an op defined with torch.library and later destroyed).
+_ALIASING: dict[int, bool] = {}
+_SKIPPING: dict[int, Any] = {}
+_RESIZING: dict[int, bool] = {}
+_DECIDED: dict[int, Any] = {}
+
+
+def _decided(func: Any) -> int:
+    """``id(func)``, with ``func`` kept alive for as long as a decision about it is."""
+    key = id(func)
+    _DECIDED[key] = func
+    return key
 
 
 def _is_composite(func: Any) -> bool:
