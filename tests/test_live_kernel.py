@@ -25,9 +25,14 @@ pytestmark = pytest.mark.slow
 
 
 class Kernel:
-    def __init__(self) -> None:
+    def __init__(self, forward_fds: bool = False) -> None:
+        """``forward_fds``: the kernel forwards what is written to descriptors 1 and 2 as a user's kernel does
+        (ipykernel turns that off when it finds pytest's variable in its environment)."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        if forward_fds:
+            env.pop("PYTEST_CURRENT_TEST", None)
         self.km = jupyter_client.KernelManager(kernel_name="python3")
-        self.km.start_kernel(env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.km.start_kernel(env=env)
         self.kc = self.km.client()
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
@@ -231,3 +236,34 @@ def test_auto_mode_shows_the_live_view_too(kernel: Kernel) -> None:
     live = [d for _, _, _, d in shown if "vram-live" in d["text/html"]]
     assert len(live) >= 3 and len({did for _, _, did, _ in shown}) == 1
     assert shown[-1][1] == "update_display_data" and "vram-live" not in shown[-1][3]["text/html"]
+
+
+def test_allocator_cell_shows_the_users_stderr_and_not_the_profilers_line() -> None:
+    """ipykernel forwards descriptor 2 to the cell's output: c10's "Memory block of unknown size" line (written on
+    the first and every thousandth free of a block made before the recording) must not reach it; the cell's own
+    writes to descriptor 2 must. The control cell, the same with the filter switched off, shows the line."""
+    k = Kernel(forward_fds=True)
+    try:
+        def stderr_of(cell: str) -> str:
+            out = k.run(cell)
+            assert out["reply"]["status"] == "ok", out["reply"]
+            return "".join(m["content"]["text"] for m in out["messages"]
+                           if m["msg_type"] == "stream" and m["content"]["name"] == "stderr")
+
+        cell = ("old = [torch.empty(16) for _ in range(1001)]\ny = x = torch.randn(8, 8)\n"
+                "%%vram -q --backend allocator\ndel old\nos.write(2, b'from the cell\\n')\ny = x @ x")
+        setup, measured = cell.split("%%vram")
+        assert stderr_of("%load_ext vram_magic\nimport os, torch") == ""
+        for _ in range(2):
+            stderr_of(setup)
+            stderr = stderr_of("%%vram" + measured)
+            assert "from the cell" in stderr
+            assert "Memory block of unknown size" not in stderr
+        # the control: without the filter, the same cell shows it
+        stderr_of("import vram_magic.engine.allocator as a\nclass Off:\n    def start(self): return self\n"
+                  "    def stop(self): pass\na.StderrFilter = Off")
+        stderr_of(setup)
+        stderr = stderr_of("%%vram" + measured)
+        assert "from the cell" in stderr and "Memory block of unknown size" in stderr
+    finally:
+        k.close()

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .stderr_filter import StderrFilter
 from .tracker import BACKWARD, CELL, FORWARD, OPTIMIZER
 
 # Phases only this backend tells apart: memory freed by ``zero_grad`` was a gradient.
@@ -83,6 +84,7 @@ class AllocatorRecorder:
     def __init__(self, device: str) -> None:
         self.device = device
         self._on = False
+        self._filter: StderrFilter | None = None
 
     def start(self) -> AllocatorRecorder:
         from torch._C._autograd import _enable_profiler, _prepare_profiler
@@ -100,6 +102,8 @@ class AllocatorRecorder:
             _prepare_profiler(config, activities)
             _enable_profiler(config, activities, {RecordScope.USER_SCOPE, RecordScope.BACKWARD_FUNCTION})
         self._on = True
+        # from here on, c10 logs a line to stderr when the cell frees a block made before the recording
+        self._filter = StderrFilter().start()
         return self
 
     def stop(self) -> Recording:
@@ -108,6 +112,9 @@ class AllocatorRecorder:
         if not self._on:
             return Recording(complete=False)
         self._on = False
+        if self._filter is not None:
+            self._filter.stop()
+            self._filter = None
         import torch.autograd.profiler as autograd_profiler
         from torch._C._autograd import _disable_profiler
 
