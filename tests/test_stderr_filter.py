@@ -131,3 +131,30 @@ def test_a_failing_start_leaves_stderr_alone(monkeypatch: pytest.MonkeyPatch) ->
         after = len(os.listdir("/proc/self/fd"))
     assert _read(path) == b"still here\n"
     assert after == before  # no descriptor left open
+
+
+def test_a_process_started_during_the_recording_keeps_its_stderr_and_does_not_hold_up_the_cell() -> None:
+    """A data-loader or compile worker started while the filter is on inherits the pipe and outlives the cell: the
+    cell's end does not wait for it, and what it writes later is still forwarded."""
+    import subprocess
+    import sys
+    import time
+
+    with fd2_to_file() as path:
+        f = StderrFilter().start()
+        child = subprocess.Popen([sys.executable, "-c", "import sys, time\ntime.sleep(1.0)\n"
+                                  "sys.stderr.write('child, later\\n')"])
+        os.write(2, b"the cell\n")
+        t0 = time.monotonic()
+        f.stop()
+        stopped_in = time.monotonic() - t0
+        os.write(2, b"after the cell\n")
+        child.wait(30)
+        for _ in range(100):  # the filter's thread forwards the child's line, then sees end of file
+            if b"child, later" in _read(path):
+                break
+            time.sleep(0.02)
+    assert stopped_in < 0.5
+    out = _read(path)
+    assert out.startswith(b"the cell\nafter the cell\n")
+    assert b"child, later\n" in out

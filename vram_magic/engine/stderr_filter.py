@@ -16,7 +16,9 @@ Whatever goes wrong, the filter steps aside and the user's output goes where it 
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import time
 from typing import Any
 
 #: the line dropped (c10's CPUAllocator.cpp, ``ProfiledCPUMemoryReporter::Delete``)
@@ -75,6 +77,7 @@ class StderrFilter:
         self._saved: int | None = None  # the real stderr, to put back
         self._pipe: Any = None  # os.fstat of the pipe's write end: is descriptor 2 still ours at stop()?
         self._thread: threading.Thread | None = None
+        self._read_fd = -1
 
     def start(self) -> StderrFilter:
         saved = out = read_fd = write_fd = None
@@ -89,7 +92,7 @@ class StderrFilter:
             started = True
             os.dup2(write_fd, 2)
             os.close(write_fd)
-            self._saved, self._thread = saved, thread
+            self._saved, self._thread, self._read_fd = saved, thread, read_fd
         except Exception:
             # closing the write end lets a started thread see end of file and close its own descriptors
             for fd in (saved, write_fd) if started else (saved, write_fd, read_fd, out):
@@ -117,8 +120,39 @@ class StderrFilter:
                 os.close(saved)
             except OSError:
                 pass
-        if self._thread is not None:
-            # Wait for what was written before the end to come out first. A process started during the recording
-            # may hold the pipe open: the thread then keeps forwarding its output for as long as it lives.
-            self._thread.join(drain)
-            self._thread = None
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            _drain(thread, self._read_fd, drain)
+
+
+def _pending(fd: int) -> int | None:
+    """Bytes waiting in the pipe (None where that cannot be asked)."""
+    try:
+        import fcntl
+        import termios
+
+        buf = bytearray(4)
+        fcntl.ioctl(fd, termios.FIONREAD, buf)
+        return int.from_bytes(buf, sys.byteorder)
+    except Exception:
+        return None
+
+
+def _drain(thread: threading.Thread, read_fd: int, limit: float) -> None:
+    """Wait until what was written before the end has come out (the order of the output), at most ``limit`` s.
+    Usually the pipe's last write end has just closed and the thread ends at once; a process started during the
+    recording (a data-loader worker, a compile worker) may hold it open — the thread then keeps forwarding its
+    output for as long as it lives, and this returns once the pipe has stayed empty for a moment."""
+    deadline = time.monotonic() + limit
+    empty_since = None
+    while thread.is_alive() and time.monotonic() < deadline:
+        thread.join(0.01)
+        pending = _pending(read_fd) if thread.is_alive() else 0
+        if pending == 0:
+            now = time.monotonic()
+            if empty_since is None:
+                empty_since = now
+            elif now - empty_since >= 0.03:  # the thread has had time to write out its last read
+                return
+        else:
+            empty_since = None
