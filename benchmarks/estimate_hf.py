@@ -18,11 +18,12 @@ import time
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
+from test_estimator_compiled import GPT  # noqa: E402
 from zoo import HF_ZOO, hf_gpt2, profiled_step_peak, storage_bytes  # noqa: E402
 
 import vram_magic  # noqa: E402
@@ -70,39 +71,14 @@ def real_peak(build, make_inputs, loss_fn=None, *, inference=False, amp=None, ch
     return base + profiled_step_peak(prof)
 
 
-class GPTBlock(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, 2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.proj(y)
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+def _gpt_by_hand() -> nn.Module:
+    """GPT-2's shape written by hand (tied head, the loss computed inside the model): the tests' model, larger."""
+    return GPT(vocab=8000, d=256, layers=4, heads=4, positions=1024)
 
 
-class NanoGPT(nn.Module):
-    """GPT-2's shape written by hand: tied head, the loss computed inside the model."""
-
-    def __init__(self, vocab: int = 8000, d: int = 256, layers: int = 4, heads: int = 4) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(1024, d)
-        self.blocks = nn.ModuleList(GPTBlock(d, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1]))
-        for block in self.blocks:
-            x = block(x)
-        return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), labels.flatten())
+def _idx(batch: int = 8, seq: int = 256) -> dict[str, torch.Tensor]:
+    ids = _ids(batch, seq)
+    return {"idx": ids["input_ids"], "targets": ids["labels"]}
 
 
 def _ids(batch: int = 8, seq: int = 256) -> dict[str, torch.Tensor]:
@@ -112,7 +88,7 @@ def _ids(batch: int = 8, seq: int = 256) -> dict[str, torch.Tensor]:
 
 COMPILED = {
     "GPT-2 (transformers)": (lambda: hf_gpt2(use_cache=False), _ids, None),
-    "GPT-2 shape, by hand": (NanoGPT, _ids, lambda out: out),
+    "GPT-2 shape, by hand": (_gpt_by_hand, _idx, lambda out: out),
 }
 
 

@@ -37,11 +37,12 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2's shape: token and position embeddings, pre-norm blocks, a tied head."""
+    """GPT-2's shape: token and position embeddings, pre-norm blocks, a tied head, the loss inside the model
+    (``benchmarks/estimate_hf.py`` measures a larger one: "GPT-2 shape, by hand")."""
 
-    def __init__(self, vocab: int = 1000, d: int = 128, layers: int = 2, heads: int = 4) -> None:
+    def __init__(self, vocab: int = 1000, d: int = 128, layers: int = 2, heads: int = 4, positions: int = 512) -> None:
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(512, d)
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(positions, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
