@@ -11,7 +11,6 @@ are compiled by a first step outside the profiler (Inductor, CPU).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -24,51 +23,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from test_estimator_compiled import GPT  # noqa: E402
-from zoo import HF_ZOO, hf_gpt2, profiled_step_peak, storage_bytes  # noqa: E402
+from zoo import HF_ZOO, hf_gpt2, real_peak  # noqa: E402
 
 import vram_magic  # noqa: E402
-from vram_magic.estimator.run import default_loss  # noqa: E402
 
 TARGET, COMPILED_TARGET = 0.5, 5.0  # per cent
 MODES = {"training": {}, "inference": {"inference": True}, "checkpointing": {"checkpointing": True},
          "bf16 autocast": {"amp": torch.bfloat16}}
-
-
-def real_peak(build, make_inputs, loss_fn=None, *, inference=False, amp=None, checkpointing=False,
-              compiled=False) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.manual_seed(0)
-    model, inputs = build(), make_inputs()
-    loss_fn = loss_fn or default_loss
-    run = torch.compile(model) if compiled else model
-    if checkpointing:
-        (getattr(model, "enable_gradient_checkpointing", None) or model.gradient_checkpointing_enable)()
-    if compiled:  # compile the forward and the backward before measuring
-        loss_fn(run(**inputs)).backward()
-        for p in model.parameters():
-            p.grad = None
-    base = storage_bytes(*model.parameters(), *model.buffers(), *inputs.values())
-    cast = torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        if inference:
-            model.eval()
-            for _ in range(2):
-                with torch.inference_mode(), cast:
-                    out = run(**inputs)
-                del out
-        else:
-            model.train()
-            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False)
-            for _ in range(2):
-                with cast:
-                    out = run(**inputs)
-                    loss = loss_fn(out)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                del out, loss
-    return base + profiled_step_peak(prof)
 
 
 def _gpt_by_hand() -> nn.Module:

@@ -229,10 +229,61 @@ HF_ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict[str, torch.Te
 }
 
 
-def profiled_step_peak(prof: torch.profiler.profile) -> int:
-    """The highest CPU memory in a profile above what was allocated when it started (a profile taken after the
-    model and inputs were built: add their bytes)."""
-    return profiled_cpu_peak(prof)
+def real_peak(build: Callable[[], nn.Module], make_inputs: Callable[[], object], loss_fn: Callable | None = None, *,
+              inference: bool = False, amp: torch.dtype | None = None, checkpointing: bool = False,
+              compiled: bool = False, steps: int = 2) -> int:
+    """The real CPU steps' peak: the model and inputs are built first (their bytes counted by hand), then ``steps``
+    AdamW steps (or inference forwards) run under the profiler, whose memory timeline sees every allocation
+    (kernel scratch included). Inputs: a dict (keyword arguments), a tuple (positional ones) or one value;
+    ``loss_fn`` defaults to the estimate's own stand-in; ``compiled``: ``torch.compile`` the model and compile
+    its forward and backward by a first step outside the profiler (Inductor, CPU)."""
+    import contextlib
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from vram_magic.estimator.run import default_loss
+
+    torch.manual_seed(0)
+    model, inputs = build(), make_inputs()
+    loss_fn = loss_fn or default_loss
+    run = torch.compile(model) if compiled else model
+    values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs) if isinstance(inputs, tuple) \
+        else [inputs]
+
+    def forward():
+        return run(**inputs) if isinstance(inputs, dict) else run(*inputs) if isinstance(inputs, tuple) \
+            else run(inputs)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if checkpointing:
+            (getattr(model, "enable_gradient_checkpointing", None) or model.gradient_checkpointing_enable)()
+        if compiled:
+            loss_fn(forward()).backward()
+            for p in model.parameters():
+                p.grad = None
+        base = storage_bytes(*model.parameters(), *model.buffers(), *(v for v in values if isinstance(v, torch.Tensor)))
+        cast = torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            if inference:
+                model.eval()
+                for _ in range(steps):
+                    with torch.inference_mode(), cast:
+                        out = forward()
+                    del out
+            else:
+                model.train()
+                opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False)
+                for _ in range(steps):
+                    with cast:
+                        out = forward()
+                        loss = loss_fn(out)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                    del out, loss
+    return base + profiled_cpu_peak(prof)
 
 
 def storage_bytes(*tensors: torch.Tensor) -> int:

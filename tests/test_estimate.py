@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 import torch
-from conftest import two_steps
 from torch import nn
+from zoo import train_steps
 
 import vram_magic
 from vram_magic.estimator import EstimateError, find_gpu
@@ -86,7 +86,7 @@ def test_matches_a_real_cpu_training_run_to_the_byte():
     est = vram_magic.estimate(model, x, optimizer="adamw", device="cpu")
     opt = torch.optim.AdamW(model.parameters())
     with vram_magic.measure(namespace={"model": model, "x": x, "opt": opt}) as real:
-        two_steps(model, x, opt)
+        train_steps(model, x, 2, opt)
     assert est.peak.total == real.peak.total
     table = est.compare(real)
     assert table.loc["total", "error"] == 0
@@ -138,7 +138,7 @@ def test_conv_net_within_two_percent_of_the_profilers_peak():
     def real():
         torch.manual_seed(0)
         model, x = build(), torch.randn(8, 3, 96, 96)
-        two_steps(model, x, torch.optim.AdamW(model.parameters()))
+        train_steps(model, x, 2, torch.optim.AdamW(model.parameters()))
 
     measured = _profiler_peak(real)
     assert abs(est.peak.total - measured) / measured < 0.02

@@ -157,8 +157,8 @@ def test_pointwise_chain_matches_measure_and_the_profiler():
     """Each temporary of the chain is freed as soon as the next op has read it: the estimate holds no
     activation-sized tensor more than the real step (byte-exact against measure(), within 0.5 % of the
     profiler)."""
-    from conftest import profiled_step_peak, two_steps
     from torch.profiler import ProfilerActivity, profile
+    from zoo import profiled_cpu_peak, train_steps
 
     def build():
         return nn.Sequential(*[PointwiseLayer(256) for _ in range(4)])
@@ -169,14 +169,14 @@ def test_pointwise_chain_matches_measure_and_the_profiler():
 
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     with vram_magic.measure(namespace={"model": model, "x": x, "opt": opt}) as real:
-        two_steps(model, x, opt)
+        train_steps(model, x, 2, opt)
     assert est.peak.total == real.peak.total
     torch.manual_seed(0)
     model, x = build(), torch.randn(1024, 256)
     base = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), x])
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        two_steps(model, x, torch.optim.AdamW(model.parameters(), foreach=False))
-    profiled = base + profiled_step_peak(prof)
+        train_steps(model, x, 2, torch.optim.AdamW(model.parameters(), foreach=False))
+    profiled = base + profiled_cpu_peak(prof)
     assert abs(est.peak.total - profiled) / profiled < 0.005, (est.peak.total, profiled)
 
 

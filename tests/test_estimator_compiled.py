@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from zoo import real_peak
 
 import vram_magic
 from vram_magic.estimator.compiled import supported
@@ -62,32 +63,8 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return idx, idx.roll(-1, 1)
 
 
-def _call(model: nn.Module, inputs: dict | tuple) -> torch.Tensor:
-    out = model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+def _loss(out) -> torch.Tensor:
     return out.loss if hasattr(out, "loss") else out
-
-
-def real_compiled_peak(model: nn.Module, inputs: dict | tuple) -> int:
-    """Two AdamW steps of the compiled model under the profiler, after a first call that compiles it."""
-    from conftest import profiled_step_peak
-    from torch.profiler import ProfilerActivity, profile
-
-    compiled = torch.compile(model)
-    _call(compiled, inputs).backward()  # compiles the forward and the backward
-    for p in model.parameters():
-        p.grad = None
-    tensors = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
-    base = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in [*model.parameters(), *model.buffers(), *tensors]}.values())
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        opt = torch.optim.AdamW(model.parameters(), foreach=False)
-        for _ in range(2):
-            loss = _call(compiled, inputs)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del loss
-    return base + profiled_step_peak(prof)
 
 
 def gpt2_and_batch() -> tuple[nn.Module, dict]:
@@ -108,7 +85,8 @@ def test_compiled_gpt_within_five_percent_of_a_real_inductor_step(which):
     model, inputs = gpt2_and_batch() if which.startswith("GPT-2 (") else (GPT(), batch())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        real = real_compiled_peak(model, inputs)
+        # two AdamW steps of the compiled model under the profiler, after a first step that compiles it
+        real = real_peak(lambda: model, lambda: inputs, _loss, compiled=True)
     est = vram_magic.estimate(torch.compile(model), inputs, device="cpu")
     eager = vram_magic.estimate(model, inputs, device="cpu")
     assert not est.partial, est.problem

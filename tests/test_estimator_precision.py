@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import profiled_step_peak
 from torch import nn
+from zoo import profiled_cpu_peak
 
 import vram_magic
 
@@ -96,7 +96,7 @@ def test_master_weights_step_matches_a_real_mixed_precision_step():
             for p in params:
                 p.grad = None
             del out, loss
-    real = base + profiled_step_peak(prof)
+    real = base + profiled_cpu_peak(prof)
     assert abs(est.peak.total - real) / real < 0.005, (est.peak.total, real)
 
 

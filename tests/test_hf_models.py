@@ -4,12 +4,9 @@ profiler on the real CPU step: training, inference, activation checkpointing and
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import pytest
 import torch
-from conftest import profiled_step_peak
+from zoo import real_peak
 
 import vram_magic
 
@@ -85,46 +82,6 @@ FAMILIES = {
 
 def unet_loss(out):
     return out.sample.sum()
-
-
-def real_peak(build, make_inputs, *, inference=False, amp=None, checkpointing=False, loss_fn=None, steps=2) -> int:
-    """The real CPU step's peak: the model and inputs are built first (their bytes counted by hand), then the
-    steps run under the profiler, whose memory timeline sees every allocation (kernel scratch included)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from vram_magic.estimator.run import default_loss
-
-    torch.manual_seed(0)
-    model, inputs = build(), make_inputs()
-    storages = {}
-    for t in [*model.parameters(), *model.buffers(), *(v for v in inputs.values() if isinstance(v, torch.Tensor))]:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    loss_fn = loss_fn or default_loss
-    with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        warnings.simplefilter("ignore")
-        if checkpointing:
-            switch = getattr(model, "enable_gradient_checkpointing", None) or model.gradient_checkpointing_enable
-            switch()
-        if inference:
-            model.eval()
-            for _ in range(steps):
-                with torch.inference_mode():
-                    out = model(**inputs)
-                del out
-        else:
-            model.train()
-            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False)
-            cast = torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()
-            for _ in range(steps):
-                with cast:
-                    out = model(**inputs)
-                    loss = loss_fn(out)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                del out, loss
-        del model, inputs
-    return sum(storages.values()) + profiled_step_peak(prof)
 
 
 MODES = {
