@@ -21,7 +21,7 @@ they run.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -172,11 +172,35 @@ def _kind(node: Any) -> str:
     return "other"
 
 
-def virtual_nodes(gm: torch.fx.GraphModule) -> set[Any]:
+class GraphFacts(NamedTuple):
+    """What the passes below read of a graph, worked out once: each node's kind, its position, the buffers
+    that leave the graph (through views), and each buffer's last reader other than a view (through its views)."""
+
+    kinds: dict[Any, str]
+    order: dict[Any, int]
+    outputs: set[Any]
+    last: dict[Any, int]
+
+
+def graph_facts(gm: torch.fx.GraphModule) -> GraphFacts:
+    kinds = {node: _kind(node) for node in gm.graph.nodes}
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    outputs: set[Any] = set()
+    last: dict[Any, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            outputs.update(_base(n, kinds) for n in node.all_input_nodes)
+        if kinds.get(node) != "view":
+            for used in node.all_input_nodes:
+                base = _base(used, kinds)
+                last[base] = max(last.get(base, -1), order[node])
+    return GraphFacts(kinds, order, outputs, last)
+
+
+def virtual_nodes(gm: torch.fx.GraphModule, kinds: dict[Any, str]) -> set[Any]:
     """The values Inductor computes inside the kernel that consumes them and never writes to memory: pointwise
     results whose every consumer (through views) is a pointwise op or a reduction, and that leave the graph
     neither as outputs nor as saved activations."""
-    kinds = {node: _kind(node) for node in gm.graph.nodes}
     outputs: set[Any] = set()
     for node in gm.graph.nodes:
         if node.op == "output":
@@ -216,22 +240,11 @@ def _same_size(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
 
 
-def reused_buffers(gm: torch.fx.GraphModule, virtual: set[Any]) -> dict[Any, Any]:
+def reused_buffers(gm: torch.fx.GraphModule, virtual: set[Any], facts: GraphFacts) -> dict[Any, Any]:
     """``{node: buffer}``: a pointwise kernel that writes its result into a buffer it reads for the last time,
     of the same size and dtype (Inductor's in-place reuse). In a backward graph the saved activations are
     donated to it and can be reused too; the forward's inputs (parameters, the batch) never are."""
-    kinds = {node: _kind(node) for node in gm.graph.nodes}
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    outputs: set[Any] = set()
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            outputs.update(_base(n, kinds) for n in node.all_input_nodes)
-    last: dict[Any, int] = {}  # a buffer's last reader, through its views
-    for node in gm.graph.nodes:
-        for used in node.all_input_nodes:
-            base = _base(used, kinds)
-            if kinds.get(node) != "view":
-                last[base] = max(last.get(base, -1), order[node])
+    kinds, order, outputs, last = facts
 
     def donated(node: Any) -> bool:
         if node.op != "placeholder":
@@ -270,23 +283,13 @@ def reused_buffers(gm: torch.fx.GraphModule, virtual: set[Any]) -> dict[Any, Any
     return out
 
 
-def deferred_frees(gm: torch.fx.GraphModule, virtual: set[Any], inplace: dict[Any, Any]) -> dict[Any, Any]:
+def deferred_frees(gm: torch.fx.GraphModule, virtual: set[Any], inplace: dict[Any, Any],
+                   facts: GraphFacts) -> dict[Any, Any]:
     """``{node: buffer}``: Inductor's memory planning does not free a dead buffer when a later kernel can take
     it (same dtype and size); it stays allocated until that kernel writes into it. Which buffer each kernel
     takes, planned as Inductor plans it: in graph order, the most recently freed buffer of the right size."""
-    kinds = {node: _kind(node) for node in gm.graph.nodes}
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    outputs: set[Any] = set()
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            outputs.update(_base(n, kinds) for n in node.all_input_nodes)
+    kinds, order, outputs, last = facts
     dies_at: dict[int, list[Any]] = {}
-    last: dict[Any, int] = {}
-    for node in gm.graph.nodes:
-        for used in node.all_input_nodes:
-            if kinds.get(node) != "view":
-                base = _base(used, kinds)
-                last[base] = max(last.get(base, -1), order[node])
     for b, i in last.items():
         dies_at.setdefault(i, []).append(b)
 
@@ -351,9 +354,10 @@ def _runner(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool = 
                 seen.add(used)
                 last_use.setdefault(node, []).append(used)
     map_arg = torch.fx.node.map_arg
-    virtual = virtual_nodes(gm)
-    reuse = reused_buffers(gm, virtual)
-    deferred = deferred_frees(gm, virtual, reuse)
+    facts = graph_facts(gm)
+    virtual = virtual_nodes(gm, facts.kinds)
+    reuse = reused_buffers(gm, virtual, facts)
+    deferred = deferred_frees(gm, virtual, reuse, facts)
     kept = set(deferred.values())
 
     def run(args: list[Any]) -> Any:

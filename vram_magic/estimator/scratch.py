@@ -93,8 +93,6 @@ def _real(spec: Any, batch: int | None) -> Any:
 
 
 def _probe(func: str, spec: Any, batch: int) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
     op = torch.ops.aten.convolution_backward.default if "backward" in func else torch.ops.aten.convolution.default
     if "backward" in func:
         args = [_real(spec[0], batch), _real(spec[1], batch), _real(spec[2], None)] + [
@@ -102,13 +100,7 @@ def _probe(func: str, spec: Any, batch: int) -> int:
     else:
         args = [_real(spec[0], batch), _real(spec[1], None),
                 _real(spec[2], None) if spec[2] is not None else None] + [_real(s, None) for s in spec[3:]]
-    with torch.no_grad():
-        op(*args)  # warm up: oneDNN caches primitives and may allocate once
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with torch.profiler.record_function("vram_magic_probe"):
-                result = op(*args)
-        del result
-    return _extra(prof)
+    return _probe_op(op, args)
 
 
 def _extra(prof: Any) -> int:
