@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .engine.cuda import has_context
 from .live import LiveView, Publisher, ipython_publisher
 
 
@@ -58,20 +59,7 @@ def cpu_sampler(registry: Any) -> Callable[[], Sample]:
 
 
 # --- CUDA -----------------------------------------------------------------------------------------------------
-def has_context(index: int) -> bool | None:
-    """Whether device ``index`` has a primary context (None where PyTorch cannot tell)."""
-    import torch
-
-    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
-    if probe is None:
-        return None
-    try:
-        return bool(probe(index))
-    except Exception:
-        return None
-
-
-def cuda_reading(index: int, torch_cuda: Any, context: Callable[[int], bool | None] = has_context) -> Sample:
+def cuda_reading(index: int, torch_cuda: Any, context: Callable[[int], bool] = has_context) -> Sample:
     """One reading of CUDA device ``index`` through ``torch_cuda`` (``torch.cuda``), touching nothing that would
     initialise CUDA or create a context: allocator counters only once CUDA is initialised, device-wide use
     only on a device that has a context already."""
