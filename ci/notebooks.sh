@@ -27,26 +27,11 @@ rm -rf "$ART"
 mkdir -p "$ART" "$CACHE"
 
 # --- tools --------------------------------------------------------------------------------------------------
-step "system packages"
-missing=()
-command -v chromium >/dev/null || missing+=(chromium)
-command -v node >/dev/null || missing+=(nodejs)
-command -v npm >/dev/null || missing+=(npm)
-dpkg -s fonts-dejavu-core >/dev/null 2>&1 || missing+=(fonts-dejavu-core)
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "installing ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+step "system and npm packages"
+source ci/browser/tools.sh
+browser_tools
 CHROMIUM=$(command -v chromium)
 echo "$("$CHROMIUM" --version 2>/dev/null | head -1), node $(node --version)"
-
-step "npm packages (ci/browser)"
-if ! (cd ci/browser && node -e 'require.resolve("playwright-core")' 2>/dev/null) \
-    || [ ci/browser/package-lock.json -nt ci/browser/node_modules/.package-lock.json ]; then
-    (cd ci/browser && npm ci --no-audit --no-fund --loglevel=error)
-fi
 
 step "python packages"
 "$PYTHON" - <<'EOF' || "$PYTHON" -m pip install -q nbclient nbformat ipykernel nbconvert pytest

@@ -26,21 +26,8 @@ rm -rf "$ART"
 mkdir -p "$ART/work" "$ART/screenshots" "$ART/html"
 
 step "tools"
-missing=()
-command -v chromium >/dev/null || missing+=(chromium)
-command -v node >/dev/null || missing+=(nodejs)
-command -v npm >/dev/null || missing+=(npm)
-dpkg -s fonts-dejavu-core >/dev/null 2>&1 || missing+=(fonts-dejavu-core)
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "installing ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
-if ! (cd ci/browser && node -e 'require.resolve("playwright-core")' 2>/dev/null) \
-    || [ ci/browser/package-lock.json -nt ci/browser/node_modules/.package-lock.json ]; then
-    (cd ci/browser && npm ci --no-audit --no-fund --loglevel=error)
-fi
+source ci/browser/tools.sh
+browser_tools
 # JupyterLab and Notebook 7 go into the project's venv (the kernel is that venv's Python): pyproject's "browser" extra
 "$PYTHON" - <<'EOF' || "$PYTHON" -m pip install -q -e ".[browser]"
 import importlib.util, sys
