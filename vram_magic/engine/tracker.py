@@ -246,8 +246,12 @@ class Tracker(TorchDispatchMode):
     def _freed(self, entry: Entry) -> None:
         if entry.device != self.device:
             return
-        self.current -= entry.size
         record = self.allocs.get(entry.serial)
+        if record is None and entry.serial not in self.initial and entry.serial not in self.late:
+            # registered during the block but never counted: an empty or memory-sharing torch.tensor (size 0),
+            # a storage the end-of-block scan met first. Its free has no allocation in the history to pair with.
+            return
+        self.current -= entry.size
         if record is not None:
             self.phase_bytes[record[1]] -= entry.size
             if self._fsdp_scopes and record[1] == BACKWARD and self._scopes[-1][0] is FSDP_REDUCE_SCATTER \
