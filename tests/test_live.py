@@ -28,6 +28,13 @@ class Recorder:
         with self.lock:
             self.calls.append((time.perf_counter(), bundle, display_id, update))
 
+    def wait(self, n: int, deadline: float = 60.0) -> int:
+        """Wait until ``n`` bundles were published (a loaded machine may take long); returns how many were."""
+        end = time.monotonic() + deadline
+        while len(self.calls) < n and time.monotonic() < end:
+            time.sleep(0.01)
+        return len(self.calls)
+
 
 def test_updates_at_its_interval_after_its_delay_and_stops() -> None:
     rec = Recorder()
@@ -35,15 +42,17 @@ def test_updates_at_its_interval_after_its_delay_and_stops() -> None:
     view = LiveView(lambda: next(count), lambda n: {"text/plain": str(n)}, delay=0.3, interval=0.1, publish=rec)
     t0 = time.perf_counter()
     view.start()
-    time.sleep(1.35)
+    rec.wait(8)
     view.stop()
+    elapsed = time.perf_counter() - t0
     n = len(rec.calls)
     time.sleep(0.3)
     assert len(rec.calls) == n, "nothing is published after stop()"
     assert rec.calls[0][0] - t0 >= 0.29, "not before the delay"
     assert not rec.calls[0][3] and all(update for *_, update in rec.calls[1:]), "displayed once, then updated"
     assert len({did for _, _, did, _ in rec.calls}) == 1
-    assert 8 <= n <= 12, f"{n} updates in 1.05 s at 0.1 s intervals"
+    # never faster than its interval (how close to it a loaded machine gets is the benchmarks' business)
+    assert 8 <= n <= (elapsed - 0.3) / 0.1 + 2, f"{n} updates in {elapsed - 0.3:.2f} s at 0.1 s intervals"
     view.finish({"text/plain": "final"})
     assert rec.calls[-1][1] == {"text/plain": "final"} and rec.calls[-1][3] is True
 
@@ -79,9 +88,9 @@ def test_status_of_a_measured_block_read_from_the_live_thread() -> None:
         view = LiveView(m.status, lambda s: {"text/plain": live_text(s, cell=7),
                                              "text/html": live_html(s, cell=7, session_scale=None)},
                         delay=0.0, interval=0.02, publish=rec).start()
-        for _ in range(15):
+        for step in range(15):
             model(x).sum().backward()
-            time.sleep(0.02)
+            rec.wait(step + 1)  # a picture of each step
         view.stop()
     assert m.status() is None
     texts = [b["text/plain"] for _, b, _, _ in rec.calls]

@@ -13,7 +13,7 @@ import os
 import queue
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -37,15 +37,16 @@ class Kernel:
         self.kc.start_channels()
         self.kc.wait_for_ready(timeout=60)
 
-    def run(self, code: str, timeout: float = 120, interrupt_after: float | None = None) -> dict[str, Any]:
-        """Run ``code``; returns the iopub messages of that request (in order) and the reply."""
+    def run(self, code: str, timeout: float = 120,
+            interrupt_when: Callable[[list[dict[str, Any]]], bool] | None = None) -> dict[str, Any]:
+        """Run ``code``; returns the iopub messages of that request (in order) and the reply. ``interrupt_when``:
+        interrupt the kernel once it says yes to the messages received so far."""
         msg_id = self.kc.execute(code)
-        messages = []
+        messages: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout
         interrupted = False
-        started = time.monotonic()
         while True:
-            if interrupt_after is not None and not interrupted and time.monotonic() - started > interrupt_after:
+            if interrupt_when is not None and not interrupted and interrupt_when(messages):
                 self.km.interrupt_kernel()
                 interrupted = True
             try:
@@ -61,7 +62,9 @@ class Kernel:
             if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                 break
         reply = self.kc.get_shell_msg(timeout=10)
-        return {"messages": messages, "reply": reply["content"]}
+        while reply["parent_header"].get("msg_id") != msg_id:  # e.g. a late reply to wait_for_ready's kernel_info
+            reply = self.kc.get_shell_msg(timeout=10)
+        return {"messages": messages, "reply": reply["content"], "msg_id": msg_id}
 
     def value(self, expr: str) -> Any:
         out = self.run(f"import json as _j; print(_j.dumps({expr}))")
@@ -80,17 +83,39 @@ def kernel() -> Iterator[Kernel]:
         setup = k.run("%load_ext vram_magic\nimport time, torch\ntorch.manual_seed(0)\n"
                       "model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),\n"
                       "                            torch.nn.Linear(512, 256))\n"
-                      "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\nx = torch.randn(64, 256)")
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)\nx = torch.randn(64, 256)\n"
+                      + WAITING)
         assert setup["reply"]["status"] == "ok", setup
         yield k
     finally:
         k.close()
 
 
-def displays(messages: list[dict[str, Any]]) -> list[tuple[float, str, str, dict[str, Any]]]:
-    """``(kernel time, msg_type, display_id, data)`` of every display message."""
+# In the kernel: how many pictures the running live view (or monitor) has published, and a wait for more of them.
+# The cells under test wait for these events (deadline: a minute) instead of sleeping for a time that a loaded
+# machine may not honour.
+WAITING = """
+import threading as _threading
+def _view(name="vram-live"):
+    return next((t.live_view for t in _threading.enumerate() if t.name == name and hasattr(t, "live_view")), None)
+def _updates(name="vram-live"):
+    v = _view(name)
+    return v.updates if v is not None else 0
+def _wait_updates(n, name="vram-live", step=None, deadline=60.0):
+    end = time.monotonic() + deadline
+    while _updates(name) < n and time.monotonic() < end:
+        step() if step is not None else time.sleep(0.02)
+    return _updates(name)
+"""
+
+
+def displays(messages: list[dict[str, Any]], parent: str | None = None) -> list[tuple[float, str, str, dict[str, Any]]]:
+    """``(kernel time, msg_type, display_id, data)`` of every display message (of the request ``parent`` only, if
+    given: a display from an earlier cell's thread may arrive while this one runs)."""
     out = []
     for m in messages:
+        if parent is not None and m["parent_header"].get("msg_id") != parent:
+            continue
         if m["msg_type"] in ("display_data", "update_display_data"):
             did = m["content"].get("transient", {}).get("display_id", "")
             t = m["header"]["date"].timestamp()
@@ -103,23 +128,28 @@ def _bytes(text: str) -> float:
     return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
 
 
-TRAIN = ("%%vram -o {name}\nfor step in range({steps}):\n    loss = model(x).pow(2).mean()\n    loss.backward()\n"
-         "    opt.step()\n    opt.zero_grad(set_to_none=True)\n    time.sleep({pause})\ndel loss")
+# a training loop that runs until the live view has published {updates} pictures
+TRAIN_UNTIL = ("%%vram -o {name}\ndef _step():\n    global loss\n    loss = model(x).pow(2).mean()\n"
+               "    loss.backward()\n    opt.step()\n    opt.zero_grad(set_to_none=True)\n    time.sleep(0.05)\n"
+               "_wait_updates({updates}, step=_step)\ndel loss")
+# a training loop of {steps} steps; each waits for one more picture of the live view where there is one
+TRAIN_STEPS = ("%%vram -o {name}\nfor step in range({steps}):\n    seen = _updates()\n"
+               "    loss = model(x).pow(2).mean()\n    loss.backward()\n    opt.step()\n"
+               "    opt.zero_grad(set_to_none=True)\n"
+               "    if _view() is not None:\n        _wait_updates(seen + 1)\ndel loss, seen")
 
 
 def test_live_view_updates_then_is_replaced_by_the_report(kernel: Kernel) -> None:
-    out = kernel.run(TRAIN.format(name="r_live", steps=20, pause=0.15))
+    out = kernel.run(TRAIN_UNTIL.format(name="r_live", updates=6))
     assert out["reply"]["status"] == "ok"
-    shown = displays(out["messages"])
+    shown = displays(out["messages"], out["msg_id"])
     ids = {d for _, _, d, _ in shown}
     assert len(ids) == 1, f"one display, updated in place: {ids}"
     live = [(t, data) for t, _, _, data in shown if "vram-live" in data.get("text/html", "")]
     final = shown[-1]
-    # it appeared after the delay and kept updating at least twice a second while the cell ran
+    # it appeared after the delay and kept updating while the cell ran (how often: benchmarks, not tests)
     assert shown[0][1] == "display_data" and all(kind == "update_display_data" for _, kind, _, _ in shown[1:])
-    span = live[-1][0] - live[0][0]
-    rate = (len(live) - 1) / span
-    assert len(live) >= 6 and rate >= 2, f"{len(live)} live updates over {span:.2f} s ({rate:.1f}/s)"
+    assert len(live) >= 6, f"{len(live)} live updates"
     assert live[0][1]["text/plain"].startswith("%%vram cell") and "running" in live[0][1]["text/plain"]
     elapsed = [float(d["text/plain"].split("running ")[1].split(" s")[0]) for _, d in live]
     assert elapsed == sorted(elapsed) and elapsed[0] >= 0.9, elapsed  # shown after about a second, in order
@@ -133,15 +163,15 @@ def test_live_view_updates_then_is_replaced_by_the_report(kernel: Kernel) -> Non
 
 def test_a_short_cell_shows_only_its_report(kernel: Kernel) -> None:
     out = kernel.run("%%vram\ny = model(x)")
-    shown = displays(out["messages"])
+    shown = displays(out["messages"], out["msg_id"])
     assert len(shown) == 1 and shown[0][1] == "display_data"
     assert "vram-live" not in shown[0][3]["text/html"] and "vram-report" in shown[0][3]["text/html"]
 
 
 def test_live_view_ends_cleanly_on_an_exception(kernel: Kernel) -> None:
-    out = kernel.run("%%vram -o r_err\ny = model(x)\ntime.sleep(1.6)\nraise ValueError('stop here')")
+    out = kernel.run("%%vram -o r_err\ny = model(x)\n_wait_updates(1)\nraise ValueError('stop here')")
     assert out["reply"]["status"] == "error" and out["reply"]["ename"] == "ValueError"
-    shown = displays(out["messages"])
+    shown = displays(out["messages"], out["msg_id"])
     assert any("vram-live" in d["text/html"] for _, _, _, d in shown), "the live view appeared"
     final = shown[-1][3]
     assert shown[-1][1] == "update_display_data" and "vram-live" not in final["text/html"]
@@ -154,10 +184,13 @@ def test_live_view_ends_cleanly_on_an_exception(kernel: Kernel) -> None:
 
 
 def test_live_view_ends_cleanly_on_keyboard_interrupt(kernel: Kernel) -> None:
-    out = kernel.run("%%vram -o r_int\nfor _ in range(200):\n    y = model(x)\n    time.sleep(0.05)",
-                     interrupt_after=2.5)
+    def live_seen(messages: list[dict[str, Any]]) -> bool:
+        return any("vram-live" in d.get("text/html", "") for _, _, _, d in displays(messages))
+
+    out = kernel.run("%%vram -o r_int\nfor _ in range(10**6):\n    y = model(x)\n    time.sleep(0.05)",
+                     interrupt_when=live_seen)
     assert out["reply"]["status"] == "error" and out["reply"]["ename"] == "KeyboardInterrupt"
-    shown = displays(out["messages"])
+    shown = displays(out["messages"], out["msg_id"])
     assert any("vram-live" in d["text/html"] for _, _, _, d in shown)
     assert shown[-1][1] == "update_display_data" and "vram-live" not in shown[-1][3]["text/html"]
     assert "KeyboardInterrupt" in shown[-1][3]["text/plain"]
@@ -176,9 +209,10 @@ def test_measured_numbers_are_the_same_with_and_without_the_live_view(kernel: Ke
     for i, (delay, interval) in enumerate(((0.0, 0.02), (-1.0, 0.25), (0.0, 0.02))):
         kernel.run(f"%config VramMagics.live = {delay}\n%config VramMagics.live_interval = {interval}")
         kernel.run("opt.zero_grad(set_to_none=True)\nopt.state.clear()\ntorch.manual_seed(0)")
-        out = kernel.run(TRAIN.format(name=f"r_same{i}", steps=12, pause=0.05))
+        out = kernel.run(TRAIN_STEPS.format(name=f"r_same{i}", steps=12))
         assert out["reply"]["status"] == "ok"
-        updates = [d for _, _, _, d in displays(out["messages"]) if "vram-live" in d.get("text/html", "")]
+        shown = displays(out["messages"], out["msg_id"])
+        updates = [d for _, _, _, d in shown if "vram-live" in d.get("text/html", "")]
         if delay >= 0:
             assert len(updates) >= 10, f"the live view ran ({len(updates)} updates)"
         else:
@@ -194,11 +228,12 @@ def test_watch_keeps_updating_while_other_cells_run(kernel: Kernel) -> None:
     shown = displays(start["messages"])
     assert shown and "vram-watch" in shown[0][3]["text/html"]
     watch_id = shown[0][2]
-    # another cell runs (and, after a while, fills 128 MiB); the monitor is redrawn from its thread meanwhile
-    other = kernel.run("time.sleep(0.8)\nbig = torch.ones(32 * 2**20)\ntime.sleep(1.5)\ndel big")
+    # another cell runs: it waits for a redraw of the monitor, fills 128 MiB, then waits for two more redraws; the
+    # monitor is redrawn from its thread meanwhile, the RSS it shows following the tensor
+    other = kernel.run("_wait_updates(_updates('vram-watch') + 1, 'vram-watch')\nbig = torch.ones(32 * 2**20)\n"
+                       "_wait_updates(_updates('vram-watch') + 2, 'vram-watch')\ndel big")
     during = [(t, d) for t, kind, did, d in displays(other["messages"]) if did == watch_id]
-    # every 0.2 s: 11 in 2.3 s on a quiet machine; at least 4 however loaded the machine is
-    assert len(during) >= 4, f"{len(during)} redraws of the monitor during a 2.3 s cell"
+    assert len(during) >= 3, f"{len(during)} redraws of the monitor during the cell"
     rss = [_bytes(re.search(r"process RSS ([\d.]+ \w+)", d["text/plain"]).group(1)) for _, d in during]
     assert max(rss) - rss[0] >= 100 * 2**20, f"process RSS followed the 128 MiB tensor: {rss}"
     stop = kernel.run("%vram watch off")
@@ -217,7 +252,7 @@ def test_opt_in_widget_view_carries_the_static_report_too(kernel: Kernel) -> Non
         out = kernel.run("%%vram\ny = model(x)")
     finally:
         kernel.run("%config VramMagics.widget = False")
-    shown = displays(out["messages"])
+    shown = displays(out["messages"], out["msg_id"])
     assert len(shown) == 1
     data = shown[0][3]
     view = data["application/vnd.jupyter.widget-view+json"]
@@ -229,10 +264,11 @@ def test_opt_in_widget_view_carries_the_static_report_too(kernel: Kernel) -> Non
 def test_auto_mode_shows_the_live_view_too(kernel: Kernel) -> None:
     kernel.run("%vram auto on")
     try:
-        out = kernel.run("for _ in range(20):\n    y = model(x)\n    time.sleep(0.15)")  # 3 s: live after 1 s
+        out = kernel.run("def _forward():\n    global y\n    y = model(x)\n    time.sleep(0.05)\n"
+                         "_wait_updates(3, step=_forward)")  # the live view appears after a second
     finally:
         kernel.run("%vram auto off")
-    shown = displays(out["messages"])
+    shown = displays(out["messages"], out["msg_id"])
     live = [d for _, _, _, d in shown if "vram-live" in d["text/html"]]
     assert len(live) >= 3 and len({did for _, _, did, _ in shown}) == 1
     assert shown[-1][1] == "update_display_data" and "vram-live" not in shown[-1][3]["text/html"]

@@ -108,7 +108,9 @@ def test_monitor_redraws_and_stops_with_a_stopped_picture() -> None:
     w = Watch("cpu", sampler, interval=0.05, publish=lambda b, d, u: calls.append((b, u))).start()
     import time
 
-    time.sleep(0.5)
+    end = time.monotonic() + 60  # six pictures, however loaded the machine is
+    while len(calls) < 6 and time.monotonic() < end:
+        time.sleep(0.01)
     w.stop()
     assert not w.running and len(calls) >= 6
     assert "stopped" in calls[-1][0]["text/plain"] and calls[-1][1] is True

@@ -52,7 +52,9 @@ class LiveView:
     """
 
     def __init__(self, status: Callable[[], Any], render: Callable[[Any], dict[str, Any]], *,
-                 delay: float = 1.0, interval: float = 0.25, publish: Publisher = ipython_publisher) -> None:
+                 delay: float = 1.0, interval: float = 0.25, publish: Publisher = ipython_publisher,
+                 name: str = "vram-live") -> None:
+        self.name = name
         self._status = status
         self._render = render
         self.delay = delay
@@ -62,41 +64,53 @@ class LiveView:
         self.updates = 0  # bundles published (the first display included)
         self.shown = False
         self.error: BaseException | None = None
+        self._failures = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._stopped = False
         self._thread: threading.Thread | None = None
 
-    def start(self) -> LiveView:
+    def start(self, show_now: bool = False) -> LiveView:
+        """Start the thread; with ``show_now`` the first picture is published here, before this returns (a
+        monitor that appears in its own cell's output however loaded the machine is), the next after ``interval``."""
+        if show_now:
+            self._tick()
         # The thread runs in a copy of this thread's context: the kernel's "parent" (the cell that started the
         # view) is a context variable, so what the thread displays stays under that cell even once the next cell
         # runs (a plain thread would send it to whichever cell is running at the time).
         context = contextvars.copy_context()
-        self._thread = threading.Thread(target=context.run, args=(self._run,), name="vram-live", daemon=True)
+        self._thread = threading.Thread(target=context.run, args=(self._run, self.interval if show_now else self.delay),
+                                        name=self.name, daemon=True)
+        self._thread.live_view = self  # type: ignore[attr-defined]  # who runs it, for whoever lists the threads
         self._thread.start()
         return self
 
-    def _run(self) -> None:
-        failures = 0
-        if self._stop.wait(self.delay):
+    def _tick(self) -> bool:
+        """Publish one picture; False once the view is stopped or has failed three times."""
+        try:
+            status = self._status()
+            if status is not None:
+                bundle = self._render(status)
+                with self._lock:
+                    if self._stopped:
+                        return False
+                    self._publish(bundle, self.display_id, self.shown)
+                    self.shown = True
+                    self.updates += 1
+        except Exception as err:  # never disturb the cell: the final report still replaces the view
+            self.error = err
+            self._failures += 1
+            if self._failures >= 3:  # not a passing hiccup: stop trying
+                return False
+        return True
+
+    def _run(self, first_wait: float) -> None:
+        if self._stop.wait(first_wait):
             return
         while True:
             started = time.perf_counter()
-            try:
-                status = self._status()
-                if status is not None:
-                    bundle = self._render(status)
-                    with self._lock:
-                        if self._stopped:
-                            return
-                        self._publish(bundle, self.display_id, self.shown)
-                        self.shown = True
-                        self.updates += 1
-            except Exception as err:  # never disturb the cell: the final report still replaces the view
-                self.error = err
-                failures += 1
-                if failures >= 3:  # not a passing hiccup: stop trying
-                    return
+            if not self._tick():
+                return
             # a steady rate: the time spent rendering counts against the interval
             if self._stop.wait(max(self.interval - (time.perf_counter() - started), 0.01)):
                 return

@@ -115,7 +115,8 @@ class Watch:
         self.samples: deque[Sample] = deque(maxlen=keep)
         self._sampler = sampler
         self._started = time.perf_counter()
-        self._view = LiveView(self._sample, self._render, delay=0.0, interval=interval, publish=publish)
+        self._view = LiveView(self._sample, self._render, delay=0.0, interval=interval, publish=publish,
+                              name="vram-watch")
 
     @property
     def updates(self) -> int:
@@ -138,7 +139,7 @@ class Watch:
                 "text/html": watch_html(self.device, samples, self.interval, self._started, stopped=stopped)}
 
     def start(self) -> Watch:
-        self._view.start()
+        self._view.start(show_now=True)
         return self
 
     def stop(self) -> None:
