@@ -385,12 +385,17 @@ def load(ipython: Any) -> None:
     magics = VramMagics(ipython)
     ipython.register_magics(magics)
     setattr(ipython, _EXT_KEY, magics)
+    from .lab.figures import start_figures  # in a Jupyter kernel: the figures JupyterLab's panel reads
+
+    magics.figures = start_figures(ipython, magics.session)
 
 
 def unload(ipython: Any) -> None:
     magics = getattr(ipython, _EXT_KEY, None)
     if magics is None:
         return
+    if getattr(magics, "figures", None) is not None:
+        magics.figures.stop()
     magics.close()
     table = ipython.magics_manager.magics
     for kind, names in (("line", ("vram", "vram_estimate")), ("cell", ("vram",))):

@@ -6,7 +6,7 @@ One ``Session`` is created per extension load (or by a script); there are no mod
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +56,7 @@ class Session:
         self.record_sites = True
         self.active: Measurement | None = None
         self.cell_files: Mapping[str, int] | None = None  # compiled cell file name -> cell number
+        self.on_report: list[Callable[[CellReport], Any]] = []  # told of each new report (JupyterLab's figures)
 
     # --- measuring -------------------------------------------------------------------------------
     def start(self, device: Any = None, *, budget: int | str | None = None, cell: int | None = None,
@@ -94,6 +95,8 @@ class Session:
         if m.report is None:
             return None
         self.history.append(m.report)
+        for listener in list(self.on_report):
+            listener(m.report)
         return m.report
 
     @property

@@ -1,0 +1,226 @@
+"""A kernel's own figures, shared with the Jupyter server through a small file, without running code in the kernel.
+
+While ``%load_ext vram_magic`` is active in a kernel started by a Jupyter server, the kernel writes
+``<folder of its connection file>/vram-magic/<pid>.json`` after each cell (and each measured cell's report):
+allocated and reserved bytes per CUDA device that has a context, and the last measured cell's categories.
+The server's route reads these files by kernel id or pid (:class:`FiguresReader`); unloading the extension
+removes the file. Writing one costs a fraction of a millisecond; nothing here creates a CUDA context.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+FORMAT = 1
+FOLDER = "vram-magic"
+_KERNEL_FILE = re.compile(r"kernel-(.+)\.json$")
+
+
+def kernel_id_from(connection_file: str) -> str | None:
+    """The kernel id in a connection file's name (``kernel-<id>.json``, as Jupyter servers name them)."""
+    m = _KERNEL_FILE.search(os.path.basename(connection_file))
+    return m.group(1) if m else None
+
+
+def _connection_file(shell: Any) -> str | None:
+    if getattr(shell, "kernel", None) is None:
+        return None
+    try:
+        from ipykernel.connect import get_connection_file
+
+        return os.path.abspath(get_connection_file())
+    except Exception:
+        return None
+
+
+def _report_part(report: Any) -> dict[str, Any] | None:
+    if report is None:
+        return None
+    return {
+        "cell": report.cell,
+        "device": report.device,
+        "after": {c: int(report.after[c]) for c in report.after},
+        "peak": {c: int(report.peak[c]) for c in report.peak},
+        "total": int(report.after.total),
+        "peak_total": int(report.peak.total),
+        "failed": bool(report.error),
+        "oom": bool(report.oom),
+    }
+
+
+class FiguresWriter:
+    """Writes this kernel's figures file after each cell; :meth:`stop` unhooks it and removes the file."""
+
+    def __init__(self, shell: Any, session: Any, folder: str, kernel_id: str | None = None) -> None:
+        self.shell = shell
+        self.session = session
+        self.kernel_id = kernel_id
+        self.path = os.path.join(folder, f"{os.getpid()}.json")
+        self._properties: dict[int, tuple[int, str]] = {}
+        self._failed = False
+        os.makedirs(folder, exist_ok=True)
+        shell.events.register("post_run_cell", self._after_cell)
+        session.on_report.append(self._on_report)
+        atexit.register(self.remove)  # a kernel shut down without unloading the extension leaves no file
+        self.write()
+
+    def _after_cell(self, result: Any = None) -> None:
+        self.write()
+
+    def _on_report(self, report: Any) -> None:
+        self.write()
+
+    def cuda_devices(self) -> list[dict[str, Any]]:
+        """Allocated and reserved bytes of each CUDA device with a context (none before CUDA is initialised)."""
+        if "torch" not in sys.modules:
+            return []
+        import torch
+
+        from ..engine import cuda
+
+        if not cuda.initialized():
+            return []
+        out = []
+        for index in range(torch.cuda.device_count()):
+            if not cuda.has_context(index):
+                continue
+            if index not in self._properties:
+                props = torch.cuda.get_device_properties(index)
+                self._properties[index] = (int(props.total_memory), str(getattr(props, "uuid", "") or ""))
+            total, uuid = self._properties[index]
+            out.append({"device": f"cuda:{index}", "uuid": uuid, "allocated": int(torch.cuda.memory_allocated(index)),
+                        "reserved": int(torch.cuda.memory_reserved(index)), "total": total})
+        return out
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "pid": os.getpid(),
+            "kernel_id": self.kernel_id,
+            "notebook": os.environ.get("JPY_SESSION_NAME"),
+            "time": time.time(),
+            "devices": self.cuda_devices(),
+            "last_cell": _report_part(self.session.last),
+            "measured_cells": len(self.session.history),
+        }
+
+    def write(self) -> None:
+        """Replace the file in one step (a reader never sees half of it); a failure never reaches the cell."""
+        try:
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.figures(), f, separators=(",", ":"))
+            os.replace(tmp, self.path)
+        except Exception as err:
+            if not self._failed:
+                self._failed = True
+                import warnings
+
+                warnings.warn(f"vram_magic could not write its figures for JupyterLab to {self.path} "
+                              f"({type(err).__name__}: {err}); the magics are unaffected", RuntimeWarning,
+                              stacklevel=2)
+
+    def stop(self) -> None:
+        try:
+            self.shell.events.unregister("post_run_cell", self._after_cell)
+        except ValueError:
+            pass
+        if self._on_report in self.session.on_report:
+            self.session.on_report.remove(self._on_report)
+        atexit.unregister(self.remove)
+        self.remove()
+
+    def remove(self) -> None:
+        try:
+            os.remove(self.path)
+        except OSError:
+            pass
+
+
+def start_figures(shell: Any, session: Any, folder: str | None = None) -> FiguresWriter | None:
+    """A writer for ``shell`` in a kernel (``None`` in a terminal IPython or where the kernel's connection file
+    is unknown); ``folder`` overrides where the file goes."""
+    kernel_id = None
+    if folder is None:
+        connection = _connection_file(shell)
+        if connection is None:
+            return None
+        folder = os.path.join(os.path.dirname(connection), FOLDER)
+        kernel_id = kernel_id_from(connection)
+    try:
+        return FiguresWriter(shell, session, folder, kernel_id)
+    except Exception:
+        return None
+
+
+class FiguresReader:
+    """The figures files in one folder, parsed again only when a file changed (size or modification time)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._cache: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            entries = [e for e in os.scandir(self.folder) if e.name.endswith(".json")]
+        except OSError:
+            self._cache.clear()
+            return []
+        out, seen = [], set()
+        for e in entries:
+            try:
+                st = e.stat()
+            except OSError:
+                continue
+            key = (st.st_mtime_ns, st.st_size)
+            seen.add(e.path)
+            cached = self._cache.get(e.path)
+            if cached is not None and cached[0] == key:
+                out.append(cached[1])
+                continue
+            data = _load(e.path)
+            if data is not None:
+                data["_file"] = e.path
+                self._cache[e.path] = (key, data)
+                out.append(data)
+        for gone in set(self._cache) - seen:
+            del self._cache[gone]
+        return out
+
+    def match(self, figures: list[dict[str, Any]], kernel_id: str, pids: tuple[int | None, ...]
+              ) -> dict[str, Any] | None:
+        """The file of kernel ``kernel_id`` (by the id in it, else by one of its pids), newest first."""
+        by_id = [f for f in figures if f.get("kernel_id") == kernel_id]
+        if not by_id:
+            wanted = {p for p in pids if p}
+            by_id = [f for f in figures if f.get("pid") in wanted and not f.get("kernel_id")]
+        return max(by_id, key=lambda f: f.get("time", 0), default=None)
+
+    def remove_stale(self, figures: list[dict[str, Any]], kernel_ids: set[str], is_alive: Any) -> None:
+        """Files of kernels that are gone (not this server's, and their pid is no process here) are deleted:
+        a kernel killed without unloading the extension leaves its file behind."""
+        for f in figures:
+            if f.get("kernel_id") in kernel_ids or is_alive(f.get("pid", 0)):
+                continue
+            try:
+                os.remove(f["_file"])
+            except OSError:
+                pass
+
+
+def _load(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, Mapping) or data.get("format") != FORMAT or not isinstance(data.get("pid"), int):
+        return None
+    return dict(data)
