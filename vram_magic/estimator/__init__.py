@@ -43,6 +43,9 @@ def estimate(
     max_batch: bool = False,
     max_seq: bool = False,
     progress: Callable[[str], None] | None = None,
+    generate: int | None = None,
+    cache_implementation: str | None = None,
+    num_beams: int = 1,
 ) -> Estimate:
     """Estimate the memory of a training (or inference) step of ``model`` on ``inputs``.
 
@@ -66,7 +69,28 @@ def estimate(
     ``budget`` (``"24GiB"``) sets the capacity for the fit verdict. ``what_if`` adds the strategy table;
     ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1
     of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial.
+
+    ``generate=N``: the peak of ``model.generate(inputs, max_new_tokens=N, min_new_tokens=N)`` instead of a step
+    (``inputs``: token ids, or a dict with ``input_ids`` and ``attention_mask``), with ``cache_implementation``
+    (a name the installed transformers knows: ``"static"``, ``"offloaded"``, ...) and ``num_beams``; the KV
+    cache is the ``kv_cache`` category, ``estimate.generation`` holds its bytes per token. With it,
+    ``max_seq`` finds the longest prompt and ``max_batch`` the largest batch that fit with N new tokens.
+    A decoder without transformers whose forward takes and returns a cache (``past_key_values``) works too.
     """
+    # --- generate=: text generation (generate_estimate.py) ---------------------------------------------------
+    if generate is not None or cache_implementation is not None or num_beams != 1:
+        from .generate_estimate import check_training_options, estimate_generate
+
+        if generate is None:
+            raise ValueError("cache_implementation and num_beams apply to generate=N (the number of new tokens)")
+        check_training_options(dict(checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp,
+                                    world=world, offload=offload, lora=lora, master_weights=master_weights,
+                                    loss_fn=loss_fn))
+        gen_opts = make_options(inference=True, dtype=dtype, amp=amp, device=device, quantize=quantize)
+        return estimate_generate(model, inputs, gen_opts, make_target(gpu, budget, cuda), new_tokens=generate,
+                                 cache_implementation=cache_implementation, num_beams=num_beams, what_if=what_if,
+                                 max_seq=max_seq, max_batch=max_batch, progress=progress)
+    # --- a training or inference step ------------------------------------------------------------------------
     opts = make_options(optimizer=optimizer, inference=inference, dtype=dtype, amp=amp, master_weights=master_weights,
                         checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp, world=world,
                         offload=offload, device=device, steps=steps, quantize=quantize, lora=lora)

@@ -65,6 +65,8 @@ class Estimate:
     strategies: tuple[Strategy, ...] = ()
     max_batch: int | None = None
     max_seq: int | None = None
+    # generate= estimates: the cache per token, the two phases, how the loop was modelled (generate_facts.Generation)
+    generation: Any = None
     options: Options | None = field(default=None, repr=False, compare=False)
     rerun: Any = field(default=None, repr=False, compare=False)  # (request, target) for what-ifs
 

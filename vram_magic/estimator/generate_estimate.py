@@ -1,0 +1,198 @@
+"""From the fake ``generate()`` run to an :class:`~vram_magic.estimator.result.Estimate`: the peak split by
+category with the cache as ``kv_cache``, the facts of generation (cache per token, the two phases), and on
+CUDA what the allocator reserves for a cache that grows one token at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from ..units import format_bytes
+from .core import Target, from_trace
+from .generate import GROWTH, KV, MARK, describe, make_spec, trace_generate
+from .generate_cuda import DEFAULT_CAPABILITY, kernel_note, unrolled_reserved
+from .generate_facts import GenerateSpec, Generation
+from .options import Options
+from .result import Estimate
+from .run import Request, StepTrace
+
+#: training options that mean nothing for generate() (their defaults)
+_TRAINING = {"checkpointing": False, "accumulate": 1, "zero": None, "fsdp": False, "world": 1, "offload": False,
+             "lora": None, "master_weights": None, "loss_fn": None}
+
+
+def check_training_options(given: dict[str, Any]) -> None:
+    wrong = [k for k, default in _TRAINING.items() if k in given and given[k] != default]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)} appl{'y' if len(wrong) > 1 else 'ies'} to training; generate= estimates "
+                         "inference (drop them, or estimate a training step without generate=)")
+
+
+def capability(opts: Options, target: Target) -> tuple[int, int] | None:
+    if opts.device != "cuda":
+        return None
+    gpu = target.gpu
+    if gpu is not None and gpu.capability is not None:
+        return gpu.capability
+    return DEFAULT_CAPABILITY
+
+
+def evaluate_generate(request: Request, opts: Options, spec: GenerateSpec, target: Target, *,
+                      model_name: str = "") -> Estimate:
+    """One fake ``generate()`` run, evaluated for ``target``."""
+    cap = capability(opts, target)
+    trace, facts = trace_generate(request, opts, spec, cuda=cap)
+    name = model_name or request.source.name
+    first = from_trace(trace, opts, target, model_name=name)
+    _label_cache(trace, facts, first)
+    est = from_trace(trace, opts, target, model_name=name)
+    gen = _generation(trace, facts, spec)
+    notes = [n for n in est.notes]
+    notes.insert(0, loop_note(facts, spec))
+    if cap is not None:
+        note = kernel_note(dict(facts.get("kernels", {})), cap, target.gpu is not None)
+        if note:
+            notes.append(note)
+        grown = _reserved(trace, facts, spec, opts, target)
+        if grown is not None:
+            peak_reserved, growth = grown
+            reserved = max(est.reserved, peak_reserved)
+            gen = replace(gen, reserved_growth=growth)
+            needed = reserved + est.context
+            est = replace(est, reserved=reserved, needed=needed,
+                          fits=None if est.capacity is None else needed <= est.capacity)
+            notes.append(f"the caching allocator replayed over all {spec.new_tokens - 1} decoding steps (the cache "
+                         f"asks for one token more per layer each step): {format_bytes(growth)} reserved above "
+                         "allocated when the loop ends")
+        if spec.cache_implementation in ("static", "offloaded_static"):
+            notes.append("on CUDA, generate() compiles the decoding step for a static cache (torch.compile "
+                         "'reduce-overhead': CUDA graphs with their own memory pool), not modelled")
+    return replace(est, description=describe(spec, opts, facts), notes=tuple(notes), generation=gen,
+                   flops={}, top_modules=est.top_modules)
+
+
+def _label_cache(trace: StepTrace, facts: dict[str, Any], first: Estimate) -> None:
+    """The cache's storages named for good: at the peak, of a slot (``layers[3].keys``) holding two storages
+    (``torch.cat``'s new copy made, the old one not yet freed; a beam reorder's copy) the newer is the growth
+    transient, the rest is the cache as it stands."""
+    alive = [int(label[len(MARK):]) for _c, label, _n in first.peak.detail if label.startswith(MARK)]
+    slot = facts["slot"]
+    by_slot: dict[str, list[int]] = {}
+    for s in alive:
+        by_slot.setdefault(slot.get(s, ""), []).append(s)
+    growth = {s for serials in by_slot.values() if len(serials) > 1 for s in sorted(serials)[1:]}
+    for s, path in slot.items():
+        if s in growth:
+            trace.owner[s] = GROWTH
+        elif trace.owner.get(s, ("", ""))[1].startswith(MARK):
+            what = "cross-attention cache" if path.startswith("cross_attention_cache") else "KV cache"
+            trace.owner[s] = (KV, what)
+
+
+def _phase_peaks(trace: StepTrace) -> tuple[int, int]:
+    sizes, marks = trace.sizes, trace.marks
+    current = sum(sizes[s] for s in trace.initial)
+    decode = marks.get("decode_start", len(trace.events))
+    j0, j1 = marks.get("jump_start", -1), marks.get("jump_end", -1)
+    pre = dec = 0
+    for i, ev in enumerate(trace.events, 1):
+        current += sizes[ev] if ev > 0 else -sizes[-ev]
+        if i <= decode:
+            pre = max(pre, current)
+        elif not j0 < i <= j1:
+            dec = max(dec, current)
+    return max(pre, sum(sizes[s] for s in trace.initial)), dec
+
+
+def _generation(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec) -> Generation:
+    pre, dec = _phase_peaks(trace)
+    rows = facts["batch"] * spec.num_beams
+    per_token = facts["per_token"]
+    fp, fd = facts["flops"]
+    return Generation(
+        new_tokens=spec.new_tokens, prompt=facts["seq"], batch=facts["batch"], beams=spec.num_beams,
+        kind=facts["kind"], cache=facts["cache"], cache_implementation=spec.cache_implementation,
+        do_sample=spec.do_sample,
+        layers=facts["layers"], kv_cache=facts["kv_final"], kv_per_token=per_token,
+        kv_per_token_per_sequence=per_token // rows if rows else per_token, kv_fixed=facts["fixed"],
+        prefill_peak=pre, decode_peak=dec, logits_to_keep=facts["logits_to_keep"], steps_run=facts["steps"],
+        jumped=facts["jumped"], encoder_length=facts["encoder_length"], flops_prefill=fp, flops_decode=fd,
+        sdpa=tuple(sorted(dict(facts.get("kernels", {})).items())))
+
+
+def _reserved(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec, opts: Options,
+              target: Target) -> tuple[int, int] | None:
+    marks = trace.marks
+    keys = ("step1", "step2", "jump_start", "jump_end", "loop_end")
+    if not all(k in marks for k in keys):
+        return None
+    workspace = target.cuda.workspace(target.gpu)[0] if trace.uses_matmul else 0
+    out = unrolled_reserved(trace.initial, trace.events, trace.sizes, tuple(marks[k] for k in keys),  # type: ignore[arg-type]
+                            spec.new_tokens - 1, persistent=(workspace,))
+    if out is None:
+        return None
+    peak, reserved, allocated = out
+    return peak, max(reserved - allocated, 0)
+
+
+def loop_note(facts: dict[str, Any], spec: GenerateSpec) -> str:
+    steps = facts["steps"]
+    ran = ", ".join(str(s) for s in steps)
+    if facts["kind"] == "transformers":
+        how = ("generate() cannot run on fake tensors to its end (its stopping checks read values): it ran as "
+               "the installed transformers runs it up to its decoding loop (its cache choice, "
+               + ("logits_to_keep=1, " if facts["logits_to_keep"] else "all logits (its forward has no "
+                  "logits_to_keep), ")
+               + ("the encoder once, " if facts["is_encoder_decoder"] else "")
+               + "the prefill), and the loop was modelled step for step")
+    else:
+        how = ("a hand-written decoder: the greedy loop logits[:, -1].argmax(), one token per step, its cache "
+               "passed back, was run on fake tensors")
+    if facts["jumped"]:
+        how += (f"; steps {ran} of {spec.new_tokens - 1} ran, the {facts['jumped']} between them alike but "
+                "for one token more in the cache each, so the cache was advanced to the last step's length (prompt "
+                "+ new − 2 tokens going in) and the last step ran at it")
+    else:
+        how += f"; every step ran ({len(steps)} forwards)"
+    return how
+
+
+def estimate_generate(model: Any, inputs: Any, opts: Options, target: Target, *, new_tokens: Any,
+                      cache_implementation: Any = None, num_beams: Any = 1, what_if: bool = False,
+                      max_seq: bool = False, max_batch: bool = False,
+                      progress: Callable[[str], None] | None = None) -> Estimate:
+    """:func:`vram_magic.estimate` with ``generate=``; see its documentation."""
+    spec = make_spec(new_tokens, cache_implementation, num_beams)
+    if (max_seq or max_batch) and target.capacity is None:
+        raise ValueError("max_seq/max_batch need a capacity: give gpu='A100-80GB' (or another known GPU) or "
+                         "budget='24GiB'")
+    from .fake import check_inputs
+
+    check_inputs(inputs)
+    opts = opts.with_(inference=True)
+    request = Request(model, inputs)
+    est = evaluate_generate(request, opts, spec, target)
+    est = replace(est, rerun=(request, target), options=opts)
+    if max_seq or max_batch:
+        from .generate_search import largest_batch, longest_prompt
+
+        if max_seq:
+            est = replace(est, max_seq=longest_prompt(est, progress=progress))
+        if max_batch:
+            est = replace(est, max_batch=largest_batch(est, progress=progress))
+    if what_if:
+        from .generate_whatif import generate_what_if
+
+        est = replace(est, strategies=tuple(generate_what_if(est)))
+    return est
+
+
+def spec_of(est: Estimate) -> GenerateSpec:
+    gen = est.generation
+    if gen is None:
+        raise ValueError("this estimate is not of generate(): estimate with generate=N")
+    return GenerateSpec(gen.new_tokens, gen.cache_implementation, gen.beams, gen.do_sample)
+
+
+__all__ = ["check_training_options", "estimate_generate", "evaluate_generate", "loop_note", "spec_of"]
