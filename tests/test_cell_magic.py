@@ -42,7 +42,7 @@ def test_training_loop_split_over_cells(shell):
     # build: parameters by hand, the input in "other"
     assert r["build"].before.total == 0
     assert r["build"].after.as_dict() == {"parameters": PARAMS, "gradients": 0, "optimizer_state": 0,
-                                          "activations": 0, "other": X}
+                                          "activations": 0, "kv_cache": 0, "other": X}
     assert r["build"].after.details("other") == {"x": X}
     # forward: the graph held by `loss` saved ReLU's output (addmm saves x, a named input, and the weights)
     fwd = r["fwd"]
@@ -51,7 +51,7 @@ def test_training_loop_split_over_cells(shell):
     assert fwd.after.details("activations") == {"graph held by loss": HIDDEN, "loss": F32}
     assert fwd.after.other == X
     assert fwd.delta.as_dict() == {"parameters": 0, "gradients": 0, "optimizer_state": 0,
-                                   "activations": HIDDEN + F32, "other": 0}
+                                   "activations": HIDDEN + F32, "kv_cache": 0, "other": 0}
     # at the forward's peak the first Linear's output and ReLU's output were both alive
     assert fwd.peak.activations == 2 * HIDDEN
     assert fwd.peak.total == fwd.before.total + 2 * HIDDEN
@@ -73,8 +73,8 @@ def test_training_loop_split_over_cells(shell):
     assert r["del"].after.total == 0
     assert r["del"].delta.as_dict() == {"parameters": -PARAMS, "gradients": 0,
                                         "optimizer_state": -(2 * PARAMS + ADAM_STEPS),
-                                        "activations": 0, "other": -X}
-    # the five keys always add up to the total
+                                        "activations": 0, "kv_cache": 0, "other": -X}
+    # the six keys (the KV cache at zero in a cell that does not generate) always add up to the total
     for rep in r.values():
         for b in (rep.before, rep.after, rep.peak, rep.delta):
             assert sum(b[c] for c in CATEGORIES) == b.total

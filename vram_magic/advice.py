@@ -15,8 +15,10 @@ def advise(report: CellReport) -> list[Advice]:
     """Suggestions for ``report``, largest saving first; empty for a healthy cell."""
     out: list[Advice] = []
     out += _leaks(report)
+    out += _kept_caches(report)
     if report.oom is not None or (report.capacity and report.peak.total >= PRESSURE * report.capacity):
         out += _pressure(report)
+        out += _cache_pressure(report)
     out += _fragmentation(report)
     return sorted((a for a in out if a.saving >= MIN_SAVING or a.kind in ("fragmentation", "oom")),
                   key=lambda a: -a.saving)
@@ -63,6 +65,49 @@ def _leaks(report: CellReport) -> list[Advice]:
             "the step, and evaluate under `torch.no_grad()`.",
             after.gradients, holders, "gradients"))
     return out
+
+
+def _kept_caches(report: CellReport) -> list[Advice]:
+    """A KV cache left alive after the cell: a generate() output kept whole, a decoder's cache variable."""
+    holders: dict[str, int] = {}
+    for label, n in report.after.details("kv_cache").items():
+        root = re.split(r"[\[.]", label, maxsplit=1)[0]
+        if root.isidentifier():
+            holders[root] = holders.get(root, 0) + n
+    out = []
+    generated = "prefill" in (report.trace.phases() if report.trace is not None else {})
+    for root, n in holders.items():
+        fix = f"`del {root}` when done"
+        if generated:
+            fix += (f", keep only `{root}.sequences`, or call generate() without `return_dict_in_generate=True` "
+                    "(it then returns the tokens alone and drops the cache when it returns)")
+        out.append(Advice(f"the KV cache of `{root}` holds {format_bytes(n)}", fix + ".", n, root, "kv-cache"))
+    return out
+
+
+def _cache_pressure(report: CellReport) -> list[Advice]:
+    """The KV cache is a large share of the peak: a quantized or offloaded cache, a static one."""
+    peak = report.oom.live if report.oom is not None else report.peak
+    kv = peak["kv_cache"]
+    if kv / max(peak.total, 1) < 0.25:
+        return []
+    return [
+        Advice("the KV cache dominates: a quantized cache",
+               "`model.generate(..., cache_implementation=\"quantized\", cache_config={\"backend\": \"quanto\", "
+               "\"nbits\": 4})` keeps the cache in 4 bits (the last 128 tokens in full precision); rough saving "
+               "shown for a 16-bit cache; quality drops a little, decoding slows.",
+               kv * 3 // 4, "", "kv-quantized"),
+        Advice("the KV cache dominates: an offloaded cache",
+               "`cache_implementation=\"offloaded\"` keeps each layer's cache on the CPU and brings back one layer "
+               "at a time (slower: every step copies the whole cache over the bus); on a GPU only. All but the "
+               "layers in flight leave the GPU: the saving shown is a cautious half.",
+               kv // 2, "", "kv-offloaded"),
+        Advice("the KV cache dominates: a shorter context or a smaller batch",
+               "the cache grows linearly with batch × (prompt + new tokens); a static cache "
+               "(`cache_implementation=\"static\"`) allocates it once at its full length, so it never grows by "
+               "copies, but it is as large from the first step.",
+               kv // 2, "", "kv-context"),
+    ]
 
 
 def _pressure(report: CellReport) -> list[Advice]:
@@ -119,7 +164,13 @@ def _pressure(report: CellReport) -> list[Advice]:
                  "backward": " in backward: gradients of activations grow with the batch; a smaller batch or "
                              "activation checkpointing shrink them",
                  "optimizer": " in the optimizer step: a lighter optimizer or `foreach=False` avoids "
-                              "whole-model temporaries"}.get(report.oom.phase, "")
+                              "whole-model temporaries",
+                 "prefill": " in generate()'s prefill: its intermediates grow with batch × prompt length; a "
+                            "shorter prompt, a smaller batch or chunked prefill (`prefill_chunk_size=`) shrink them",
+                 "decode": " in a decode step: the KV cache grows with every token; fewer new tokens, a smaller "
+                           "batch or a quantized or offloaded cache leave room",
+                 "cache update": " while the KV cache grew: fewer new tokens, a smaller batch or a quantized or "
+                                 "offloaded cache leave room"}.get(report.oom.phase, "")
         out.append(Advice(
             "the failing request",
             f"{format_bytes(report.oom.requested)} was asked for with {format_bytes(max(free, 0))} free{where}.",

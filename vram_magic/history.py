@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .report import CATEGORIES, CellReport
+from .report import CellReport, shown_categories
 from .units import format_bytes
 
 if TYPE_CHECKING:
@@ -29,19 +29,26 @@ def _with_formats(frame: pd.DataFrame, formats: dict[str, Any]) -> pd.DataFrame:
 
 
 def history_frame(reports: list[CellReport]) -> pd.DataFrame:
-    """One row per measured cell: categories after the cell, total, peak, delta, wall time (bytes, seconds)."""
+    """One row per measured cell: categories after the cell, total, peak, delta, wall time (bytes, seconds). A
+    ``kv_cache`` column where some cell left a KV cache behind (a ``generate()`` output kept), and its peak's
+    KV cache (``peak_kv_cache``) where some cell generated."""
     import pandas as pd
 
+    shown = shown_categories(*[r.after for r in reports])
+    peak_kv = any(r.peak["kv_cache"] for r in reports)
     rows = []
     for r in reports:
         row: dict[str, object] = {"cell": r.cell, "device": r.device}
-        row.update({c: r.after[c] for c in CATEGORIES})
+        row.update({c: r.after[c] for c in shown})
         row.update({"total": r.after.total, "peak": r.peak.total, "delta": r.delta.total,
                     "wall_time_s": round(r.wall_time, 4), "oom": r.oom is not None, "error": r.error or ""})
+        if peak_kv:
+            row["peak_kv_cache"] = r.peak["kv_cache"]
         rows.append(row)
-    columns = ["cell", "device", *CATEGORIES, "total", "peak", "delta", "wall_time_s", "oom", "error"]
+    extra = ["peak_kv_cache"] if peak_kv else []
+    columns = ["cell", "device", *shown, "total", "peak", *extra, "delta", "wall_time_s", "oom", "error"]
     frame = pd.DataFrame(rows, columns=columns)
-    formats: dict[str, Any] = {c: format_bytes for c in (*CATEGORIES, "total", "peak")}
+    formats: dict[str, Any] = {c: format_bytes for c in (*shown, "total", "peak", *extra)}
     formats["delta"] = _signed
     return _with_formats(frame, formats)
 
@@ -51,7 +58,7 @@ def diff_frame(a: CellReport, b: CellReport) -> pd.DataFrame:
     import pandas as pd
 
     delta = b.after - a.after
-    data = {c: [a.after[c], b.after[c], delta[c]] for c in CATEGORIES}
+    data = {c: [a.after[c], b.after[c], delta[c]] for c in shown_categories(a.after, b.after)}
     data["total"] = [a.after.total, b.after.total, delta.total]
     frame = pd.DataFrame(data, index=[f"after cell {a.cell}", f"after cell {b.cell}", "change"])
     return _with_formats(frame, {"__rows__": {frame.index[0]: format_bytes, frame.index[1]: format_bytes,

@@ -12,19 +12,29 @@ if TYPE_CHECKING:
 
     from .trace import Trace
 
-CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "other")
+CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "kv_cache", "other")
 LABELS: dict[str, str] = {
     "parameters": "parameters",
     "gradients": "gradients",
     "optimizer_state": "optimizer state",
     "activations": "activations",
+    "kv_cache": "KV cache",
     "other": "other",
 }
+#: categories that tables, legends and columns show only where some breakdown in view has them
+OPTIONAL: frozenset[str] = frozenset({"kv_cache"})
+
+
+def shown_categories(*breakdowns: Mapping[str, int] | None) -> tuple[str, ...]:
+    """The categories a view of these breakdowns shows: all of them, less an optional one (the KV cache) that
+    every breakdown has at zero, so views of training cells keep their five columns."""
+    present = [b for b in breakdowns if b is not None]
+    return tuple(c for c in CATEGORIES if c not in OPTIONAL or any(b.get(c, 0) for b in present))
 
 
 @dataclass(frozen=True)
 class Breakdown(Mapping[str, int]):
-    """Bytes per category; the five categories add up to :attr:`total`.
+    """Bytes per category; the six categories (``kv_cache`` zero where nothing generates) add up to :attr:`total`.
 
     ``detail`` refines them: ``(category, label, bytes)`` rows such as ``("other", "x", 4096)`` for a tensor
     held by the variable ``x`` or ``("activations", "graph held by loss", ...)``.
@@ -34,6 +44,7 @@ class Breakdown(Mapping[str, int]):
     gradients: int = 0
     optimizer_state: int = 0
     activations: int = 0
+    kv_cache: int = 0
     other: int = 0
     detail: tuple[tuple[str, str, int], ...] = ()
 
@@ -163,7 +174,9 @@ class LiveStatus:
     ``now``/``peak`` are bytes on the device (``None`` where the backend only knows them at the end);
     ``breakdown`` splits ``now`` by category where the backend can tell while running: storages alive at the
     start keep the category the scan gave them, storages made since count by the phase that made them
-    (forward and backward → activations, the rest → other). ``phase`` is the phase of the latest allocation.
+    (forward and backward → activations, a KV cache's updates → KV cache, the rest → other). ``phase`` is the
+    phase of the latest allocation; ``step`` the decode step of a ``generate()`` call under way (0: none, or
+    its prefill).
     """
 
     device: str
@@ -173,6 +186,7 @@ class LiveStatus:
     now: int | None = None
     peak: int | None = None
     breakdown: Breakdown | None = None
+    step: int = 0
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,9 @@ class Trace:
     ``initial`` are the serials alive before the first event that the cell frees (or that changed hands);
     ``base`` sums, as ``(category, label, bytes)`` rows, the storages alive throughout the cell — they are
     constant, so they need no block each. ``peak_index`` is the number of events applied when memory was
-    highest (0: the peak is the start).
+    highest (0: the peak is the start). ``steps``: ``(event index, stage, step)`` where each stage of a
+    ``generate()`` call began (``prefill`` with step 0, ``decode`` with its step number, ``cell`` where a call
+    ended).
     """
 
     device: str
@@ -42,6 +44,7 @@ class Trace:
     peak_index: int = 0
     truncated: bool = False
     base: tuple[tuple[str, str, int], ...] = ()
+    steps: tuple[tuple[int, str, int], ...] = ()
 
     def alive_at(self, index: int) -> set[int]:
         return alive_after(self.initial, self.events, index)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .kv_cache import CACHE_NAME_ENDINGS, is_cache_class, is_kv_cache, kv_cache_tensors
 from .quantized import packed_info, packed_objects
 from .registry import LiveStorages
 from .tensors import grad, grad_fn, storage_parts
@@ -37,7 +38,7 @@ _MAX_NOTES = 5
 
 # What the walker does with an object, decided once per type (isinstance chains are slow for many objects).
 # Keyed by id, with a weakref to check it: a class defined in a cell may hold tensors, and must not be kept.
-_TENSOR, _MODULE, _OPTIMIZER, _SKIP, _MAPPING, _SEQUENCE, _OBJECT = range(7)
+_TENSOR, _MODULE, _OPTIMIZER, _SKIP, _MAPPING, _SEQUENCE, _OBJECT, _KV = range(8)
 _kinds: dict[int, tuple[int, weakref.ref]] = {}
 
 
@@ -55,6 +56,8 @@ def _kind(cls: type) -> int:
         elif issubclass(cls, (str, bytes, bytearray, int, float, complex, bool, type, type(None), set, frozenset,
                               range, memoryview)):
             kind = _SKIP
+        elif is_cache_class(cls):  # a Hugging Face KV cache (see kv_cache.py)
+            kind = _KV
         elif issubclass(cls, Mapping):
             kind = _MAPPING
         elif issubclass(cls, (list, tuple)):
@@ -94,6 +97,7 @@ class _Walker:
         self.optimizers: list[tuple[str, torch.optim.Optimizer]] = []
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self.cache_tensors: list[tuple[str, torch.Tensor]] = []
+        self.kv_caches: list[tuple[str, Any]] = []  # (name, KV cache): see kv_cache.py
         self.seen: set[int] = set()
         self.count = 0  # objects visited, scalars included (a list of a million floats costs its length)
         self.unread: list[str] = []
@@ -126,6 +130,13 @@ class _Walker:
         if kind == _SKIP:
             return
         self.seen.add(id(obj))
+        # --- KV caches: a Hugging Face cache at any depth; a legacy tuple cache, or a hand-written one by its name
+        if kind == _KV or (kind in (_TENSOR, _SEQUENCE, _MAPPING) and (
+                name.endswith(CACHE_NAME_ENDINGS) or (type(obj) is tuple and obj and type(obj[0]) is tuple))
+                and is_kv_cache(obj, name)):
+            self.kv_caches.append((name, obj))
+            return
+        # ---
         if kind == _TENSOR:
             (self.cache_tensors if cache else self.tensors).append((name, obj))
         elif kind == _MODULE:
@@ -261,8 +272,8 @@ class _Walker:
             except Exception as err:
                 self._unread(f"{name}.state", err)
         self._claim_all(state_tensors, "optimizer_state")
+        graphs = self._claim_kv_caches()
         self._claim_all(buffers, "other", "buffers of ")
-        graphs: list[tuple[str, Any]] = []
         for name, t in self.tensors:
             # a forward output (part of a graph) is an activation; a leaf (input, user data) is "other"
             fn = grad_fn(t)
@@ -285,6 +296,21 @@ class _Walker:
                 self._unread(f"the autograd graph of {name}", err)
         self._notes()
         return self.scan
+
+    def _claim_kv_caches(self) -> list[tuple[str, Any]]:
+        """The tensors of the KV caches found: ``kv_cache``, named by who holds them; the autograd graphs they hold
+        (a cache filled by a forward with grad) are returned to be claimed as activations."""
+        graphs: list[tuple[str, Any]] = []
+        for name, obj in self.kv_caches:
+            try:
+                for _, t in kv_cache_tensors(obj, name):
+                    self.claim(t, "kv_cache", name, name)
+                    fn = grad_fn(t)
+                    if fn is not None:
+                        graphs.append((name, fn))
+            except Exception as err:
+                self._unread(name, err)
+        return graphs
 
     def _module(self, name: str, m: torch.nn.Module, names: dict[int, str], params: list[tuple[Any, str]],
                 buffers: list[tuple[Any, str]]) -> None:

@@ -28,7 +28,15 @@ from ..units import format_bytes, parse_size
 from . import cuda
 from .allocator import AllocatorRecorder, Replayed, profiler_busy, replay
 from .attribution import Scan, scan_namespace
-from .categories import LIVE_PHASE_CATEGORY, PHASE_CATEGORY, UNATTRIBUTED, UNSCOPED, holder_name
+from .categories import (
+    KV_SAME_LINE,
+    LIVE_PHASE_CATEGORY,
+    PHASE_CATEGORY,
+    UNATTRIBUTED,
+    UNSCOPED,
+    holder_name,
+    kv_cache_sites,
+)
 from .compiled import compiled_reason
 from .frames import SiteNamer
 from .namespace import FrameNamespace, add_other
@@ -144,9 +152,12 @@ class Measurement:
         for size in list(tracker.late.values()):
             rows[UNATTRIBUTED] = rows.get(UNATTRIBUTED, 0) + size
         rows = {k: v for k, v in rows.items() if v > 0}
-        return LiveStatus(device=self.device, backend="tracker", elapsed=elapsed,
-                          phase=PHASE_NAMES[tracker.last_phase], now=tracker.current, peak=tracker.peak,
-                          breakdown=Breakdown.from_rows(rows))
+        phase = PHASE_NAMES[tracker.last_phase]
+        if tracker.generating:  # inside generate(): its stage, not the cache updates within each step
+            phase = "decode" if tracker.gen_step else "prefill"
+        return LiveStatus(device=self.device, backend="tracker", elapsed=elapsed, phase=phase, now=tracker.current,
+                          peak=tracker.peak, breakdown=Breakdown.from_rows(rows),
+                          step=tracker.gen_step if tracker.generating else 0)
 
     # --- which backend ---------------------------------------------------------------------------
     def _choose_backend(self) -> tuple[str, str]:
@@ -424,6 +435,7 @@ class Measurement:
         roles = source.roles
         phase_names = PHASE_NAMES
         unscoped = isinstance(source, Replayed)
+        kv_sites = kv_cache_sites(source.allocs, alive, category)
         for serial, (size, phase, site, module) in source.allocs.items():
             key = alive.get(serial)
             cat = category(key) if key is not None else None
@@ -434,12 +446,15 @@ class Measurement:
                     cat = (role[0], optimizers.get(label, "optimizer") if isinstance(label, int) else label)
                 elif unscoped and phase == FORWARD:
                     cat = UNSCOPED
+                elif site and id(site) in kv_sites:
+                    cat = KV_SAME_LINE
                 else:
                     cat = PHASE_CATEGORY[phase]
             blocks[serial] = Block(serial, size, cat[0], cat[1], sites(site) if site else (), phase_names[phase],
                                    names.get(module, "") if module else "")
         return Trace(self.device, blocks, tuple(initial), source.events, source.peak_index, source.truncated,
-                     base=tuple((c, lab, n) for (c, lab), n in base.items()))
+                     base=tuple((c, lab, n) for (c, lab), n in base.items()),
+                     steps=tuple((i, phase_names[p], n) for i, p, n in getattr(source, "steps", ())))
 
     def _reconcile(self, before: Breakdown, after: Breakdown, peak: Breakdown, stats: DeviceStats | None,
                    notes: list[str]) -> tuple[Breakdown, Breakdown, Breakdown]:

@@ -16,7 +16,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 
 from ..units import format_bytes
+from . import generation
 from .frames import user_site
+from .generation import DECODE as DECODE
+from .generation import KV_UPDATE as KV_UPDATE
+from .generation import PREFILL as PREFILL
+from .generation import GenerationStages
 from .registry import Entry, LiveStorages, storage_size
 from .tensors import is_wrapper
 
@@ -65,10 +70,13 @@ def _fsdp_role(scope: str) -> tuple[str, str]:
 
 # Allocation phases, stored per allocation.
 CELL, FORWARD, BACKWARD, OPTIMIZER, INFERENCE = 0, 1, 2, 3, 4
-PHASE_NAMES = ("cell", "forward", "backward", "optimizer", "inference")  # inference: forward without grad
+# PREFILL, DECODE and KV_UPDATE (5, 6, 7: generate()'s prompt and its decode loop, a KV cache's update) are
+# generation.py's
+PHASE_NAMES = ("cell", "forward", "backward", "optimizer", "inference",  # inference: forward without grad
+               "prefill", "decode", "cache update")
 
 
-class Tracker(TorchDispatchMode):
+class Tracker(GenerationStages, TorchDispatchMode):
     """Track allocations on one device while active.
 
     ``budget``: simulated capacity in bytes; an op whose result would push live memory beyond it raises
@@ -132,6 +140,7 @@ class Tracker(TorchDispatchMode):
         # DistributedDataParallel's own part of its forward (before the wrapped module's): the serial it began at
         self._ddp_types: tuple[type, ...] = ()
         self._ddp_open: int | None = None
+        self._stages_init()  # generate() and KV caches (see generation.py)
 
     # --- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> Tracker:
@@ -146,6 +155,7 @@ class Tracker(TorchDispatchMode):
             mod.register_module_forward_hook(self._mod_post, always_call=True),
         ]
         _watch_resizes(self)
+        generation.watch(self)
         ddp = _loaded.get(_DDP)
         self._ddp_types = (ddp.DistributedDataParallel,) if ddp is not None else ()
         try:
@@ -162,6 +172,7 @@ class Tracker(TorchDispatchMode):
 
     def _remove_hooks(self) -> None:
         _unwatch_resizes(self)
+        generation.unwatch(self)
         for h in self._hooks:
             try:
                 h.remove()
@@ -212,6 +223,8 @@ class Tracker(TorchDispatchMode):
             self.roles[entry.serial] = (category, id(owner))
 
     def _mod_pre(self, module: Any, *_: Any) -> None:
+        if not self._modules:
+            self.root_forward()
         self._modules.append(id(module))
         if self._ddp_open is not None:  # the wrapped module's forward begins: DDP's own part is over
             self._close_ddp()
@@ -234,6 +247,8 @@ class Tracker(TorchDispatchMode):
                 roles.setdefault(serial, DDP_BUCKETS)
 
     def phase(self) -> int:
+        if self._stage:
+            return self._stage
         if self._optimizer_depth:
             return OPTIMIZER
         if _current_node() is not None:
@@ -409,7 +424,9 @@ class Tracker(TorchDispatchMode):
         else:
             self.truncated = True
         modules = self._modules
-        if self._optimizer_depth:  # self.phase(), inlined
+        if self._stage:  # self.phase(), inlined
+            phase = self._stage
+        elif self._optimizer_depth:
             phase = OPTIMIZER
         elif _current_node() is not None:
             phase = BACKWARD

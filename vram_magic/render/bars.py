@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..report import CATEGORIES, LABELS, Breakdown
+from ..report import CATEGORIES, LABELS, Breakdown, shown_categories
 from ..units import format_bytes
 from . import COLORS, LETTERS
 from .theme import GRID, MUTED, NUM, SMALL, TRACK
@@ -32,7 +32,7 @@ TEXT_BAR_WIDTH = 40
 # ANSI colour classes that JupyterLab's and nbconvert's stylesheets define inside ``.jp-RenderedText pre``:
 # they colour the text bars where a sanitizer dropped every inline style.
 _ANSI = {"parameters": "ansi-blue-fg", "gradients": "ansi-yellow-fg", "optimizer_state": "ansi-magenta-fg",
-         "activations": "ansi-cyan-fg", "other": "ansi-white-fg"}
+         "activations": "ansi-cyan-fg", "kv_cache": "ansi-green-fg", "other": "ansi-white-fg"}
 
 
 @dataclass(frozen=True)
@@ -298,27 +298,29 @@ _DELTA_ROW = {"vram-delta": "border-top:1px solid rgba(128,128,128,0.55)"}
 
 
 def values_html(rows: Sequence[tuple[str, Breakdown]], delta: tuple[str, Breakdown, int] | None = None) -> str:
-    """Bytes per category for each row (what the bars show, without hovering), and the change below them.
+    """Bytes per category for each row (what the bars show, without hovering), and the change below them; the KV
+    cache's column only where a row or the change has one.
 
     ``delta`` is ``(label, change, reference bytes)``: changes negligible next to the reference read ±0.
     """
     names = [name for name, _ in rows] + ([delta[0]] if delta else [])
     name_w = max(len(n) for n in names)
-    widths = {c: max(len(LABELS[c]) + 1, 10) for c in CATEGORIES}
+    shown = shown_categories(*[b for _, b in rows], delta[1] if delta else None)
+    widths = {c: max(len(LABELS[c]) + 1, 10) for c in shown}
     bold = "font-weight:bold"
     head = [Cell("", "", name_w)] + [
-        Cell(f"{swatch(c)}{LABELS[c]}", " " + LABELS[c], widths[c], "right", f"{NUM};{bold}") for c in CATEGORIES
+        Cell(f"{swatch(c)}{LABELS[c]}", " " + LABELS[c], widths[c], "right", f"{NUM};{bold}") for c in shown
     ] + [Cell("total", "total", 10, "right", f"{NUM};{bold}")]
     lines = [("vram-head", head)]
     for name, b in rows:
         cells = [Cell(html.escape(name), name, name_w, style="white-space:nowrap")]
-        cells += [Cell(format_bytes(b[c]), format_bytes(b[c]), widths[c], "right", NUM) for c in CATEGORIES]
+        cells += [Cell(format_bytes(b[c]), format_bytes(b[c]), widths[c], "right", NUM) for c in shown]
         cells.append(Cell(format_bytes(b.total), format_bytes(b.total), 10, "right", f"{NUM};{bold}"))
         lines.append(("vram-values-row", cells))
     if delta is not None:
         label, d, ref = delta
         cells = [Cell(html.escape(label), label, name_w, style=f"white-space:nowrap;{bold}")]
-        cells += [signed_cell(d[c], ref, widths[c]) for c in CATEGORIES]
+        cells += [signed_cell(d[c], ref, widths[c]) for c in shown]
         cells.append(signed_cell(d.total, ref, 10, bold=True))
         lines.append(("vram-delta", cells))
     return (f'<div class="vram-scroll" style="overflow-x:auto;max-width:100%">'

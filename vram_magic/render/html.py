@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING, Any
 
-from ..report import CATEGORIES, LABELS, Breakdown, CellReport
+from ..report import CATEGORIES, LABELS, Breakdown, CellReport, shown_categories
 from ..trace import format_frame
 from ..units import format_bytes
 from .bars import BarRow, Extra, Scale, bars_html, code_html, nbsp_sizes, scale_for, swatch, values_html, zoom_note
@@ -165,7 +165,7 @@ def live_html(status: LiveStatus, *, cell: int | None, capacity: int | None = No
         body = bars_html([row], scale) + zoom_note(scale, max(now or 0, peak or 0))
         if b is not None:
             items = " ".join(f'<span style="white-space:nowrap;margin-right:0.8em">{swatch(c)}{LABELS[c]} '
-                             f"{format_bytes(b[c])}</span>" for c in CATEGORIES)
+                             f"{format_bytes(b[c])}</span>" for c in shown_categories(b))
             body += (f'<div style="{SMALL}">{items}</div><div style="{SMALL};{MUTED}">the split is approximate '
                      "while the cell runs: memory made in forward and backward counts as activations until the "
                      "end</div>")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..report import CATEGORIES, LABELS, Breakdown, CellReport
+from ..report import CATEGORIES, LABELS, Breakdown, CellReport, shown_categories
 from ..trace import format_frame
 from ..units import format_bytes
 from . import LETTERS
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from ..report import LiveStatus
 
 _SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
-          "other": "other"}
+          "kv_cache": "kv cache", "other": "other"}
 
 
 def title(report: CellReport) -> str:
@@ -34,13 +34,16 @@ def _signed(n: int, reference: int | None) -> str:
     return format_bytes(n, signed=True)
 
 
-def table(rows: list[tuple[str, Breakdown]], signed: bool = False, reference: int | None = None) -> str:
-    """Rows of bytes per category; with ``signed``, changes negligible next to ``reference`` read ±0."""
-    head = ["".ljust(12)] + [_SHORT[c].rjust(11) for c in CATEGORIES] + ["total".rjust(11)]
+def table(rows: list[tuple[str, Breakdown]], signed: bool = False, reference: int | None = None,
+          categories: tuple[str, ...] | None = None) -> str:
+    """Rows of bytes per category; with ``signed``, changes negligible next to ``reference`` read ±0.
+    ``categories``: the columns (default: those the rows have, see :func:`~vram_magic.report.shown_categories`)."""
+    shown = categories if categories is not None else shown_categories(*[b for _, b in rows])
+    head = ["".ljust(12)] + [_SHORT[c].rjust(11) for c in shown] + ["total".rjust(11)]
     lines = ["".join(head)]
     for name, b in rows:
         fmt = (lambda n: _signed(n, reference)) if signed else format_bytes
-        cells = [name.ljust(12)] + [fmt(b[c]).rjust(11) for c in CATEGORIES]
+        cells = [name.ljust(12)] + [fmt(b[c]).rjust(11) for c in shown]
         cells.append(fmt(b.total).rjust(11))
         lines.append("".join(cells))
     return "\n".join(lines)
@@ -53,21 +56,24 @@ def bar(b: Breakdown, scale: int, width: int = 40) -> str:
     return out[:width].ljust(width)
 
 
-def legend() -> str:
-    return "  " + "  ".join(f"{LETTERS[c]} {LABELS[c]}" for c in CATEGORIES)
+def legend(categories: tuple[str, ...] | None = None) -> str:
+    """The letters of the text bars; by default the categories every report has (not the KV cache)."""
+    shown = categories if categories is not None else shown_categories()
+    return "  " + "  ".join(f"{LETTERS[c]} {LABELS[c]}" for c in shown)
 
 
 def report_text(report: CellReport) -> str:
     lines = [title(report)]
     scale = max(report.capacity or 0, report.peak.total, report.before.total, report.after.total, 1)
     rows = [("before", report.before), ("after", report.after), ("peak", report.peak)]
-    lines.append(table(rows))
+    shown = shown_categories(*[b for _, b in rows], report.delta)
+    lines.append(table(rows, categories=shown))
     for name, b in rows:
         lines.append(f"  {name:<7}|{bar(b, scale)}| {format_bytes(b.total)}")
-    lines.append(legend())
+    lines.append(legend(shown))
     since = f"cell {report.previous}" if report.previous is not None else "before"
     ref = max(report.after.total, report.before.total, 1)
-    lines.append(table([(f"Δ vs {since}"[:12], report.delta)], signed=True, reference=ref))
+    lines.append(table([(f"Δ vs {since}"[:12], report.delta)], signed=True, reference=ref, categories=shown))
     top = [(label, n) for label, n in report.after.details("other").items() if n][:3]
     if top:
         lines.append("  other after: " + ", ".join(f"{lab or '?'} {format_bytes(n)}" for lab, n in top))
@@ -135,7 +141,8 @@ def now_text(now: Any) -> str:
 def live_text(status: LiveStatus, *, cell: int | None, allocated: int | None = None) -> str:
     """One line (plus the split, when known) for a cell that is still running."""
     name = f"cell {cell}" if cell is not None else "block"
-    phase = f" · {status.phase}" if status.phase else ""
+    step = getattr(status, "step", 0)
+    phase = f" · {status.phase}" + (f" step {step}" if step else "") if status.phase else ""
     head = f"%%vram {name} · {status.device} · running {status.elapsed:.1f} s{phase}"
     if status.now is not None:
         head += f" · now {format_bytes(status.now)}"
@@ -147,5 +154,6 @@ def live_text(status: LiveStatus, *, cell: int | None, allocated: int | None = N
         head += f" · numbers when the cell ends ({status.backend} backend)"
     lines = [head]
     if status.breakdown is not None:
-        lines.append("  " + ", ".join(f"{LABELS[c]} {format_bytes(status.breakdown[c])}" for c in CATEGORIES))
+        lines.append("  " + ", ".join(f"{LABELS[c]} {format_bytes(status.breakdown[c])}"
+                                      for c in shown_categories(status.breakdown)))
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """The timeline: memory over a cell's allocation events, stacked by category (matplotlib, no pyplot).
 
-Shaded bands mark the phases (forward, backward, optimizer step) in which the memory was allocated; the
+Shaded bands mark the phases (forward, backward, optimizer step; a ``generate()`` call's prefill and decode
+steps, the latter counted) in which the memory was allocated; the
 peak and the largest allocations are marked, the latter by number with their lines listed under the plot,
 so no label sits on another. The figure's background is transparent and every text stands on a light
 label of its own, so it reads on light and dark notebook themes alike.
@@ -12,7 +13,7 @@ import base64
 import io
 from typing import TYPE_CHECKING, Any
 
-from ..report import CATEGORIES, LABELS
+from ..report import CATEGORIES, LABELS, OPTIONAL
 from ..trace import format_frame
 from ..units import format_bytes
 from . import COLORS
@@ -30,7 +31,12 @@ PHASES = {  # band colour of each phase (tints, distinct from the category colou
     "forward": ("#009E73", 0.13),
     "backward": ("#F0E442", 0.22),
     "optimizer": ("#CC79A7", 0.16),
+    "prefill": ("#0072B2", 0.12),
+    "decode": ("#D55E00", 0.10),
 }
+GENERATION = ("prefill", "decode")  # in the legend only where a cell generated
+# allocations inside a KV cache's update belong to the stretch they happen in (a decode step, a forward)
+CONTINUES = "cache update"
 
 
 def _figure_class() -> Any:
@@ -81,8 +87,9 @@ def _binary_step(top: float) -> int:
 def phase_runs(report: CellReport, min_share: float = 0.01) -> list[tuple[str, int, int]]:
     """``[(phase, first event, end event), ...]``: contiguous stretches of events by the phase that allocated.
 
-    A free belongs to the stretch it happens in; stretches shorter than ``min_share`` of the events are merged
-    into the one before, so a few stray allocations do not paint slivers.
+    A free belongs to the stretch it happens in, and so does an allocation inside a KV cache's update;
+    stretches shorter than ``min_share`` of the events are merged into the one before, so a few stray
+    allocations do not paint slivers.
     """
     trace = report.trace
     if trace is None or not len(trace.events):
@@ -91,7 +98,9 @@ def phase_runs(report: CellReport, min_share: float = 0.01) -> list[tuple[str, i
     current = ""
     for i, ev in enumerate(trace.events):
         if ev > 0:
-            current = trace.blocks[ev].phase or "cell"
+            phase = trace.blocks[ev].phase or "cell"
+            if phase != CONTINUES or not current:
+                current = phase
         if runs and runs[-1][0] == current:
             runs[-1][2] = i + 1
         else:
@@ -104,6 +113,20 @@ def phase_runs(report: CellReport, min_share: float = 0.01) -> list[tuple[str, i
         else:
             merged.append(run)
     return [(p, a, b) for p, a, b in merged if p]
+
+
+def decode_steps(report: CellReport, first: int, end: int) -> int:
+    """How many decode steps of a ``generate()`` call began between two events."""
+    trace = report.trace
+    steps = trace.steps if trace is not None else ()
+    return sum(1 for i, stage, _ in steps if stage == "decode" and first <= i < end)
+
+
+def _phase_label(report: CellReport, phase: str, a: int, b: int) -> str:
+    if phase == "decode":
+        n = decode_steps(report, a, b)
+        return f"decode · {n} step{'s' if n != 1 else ''}" if n else phase
+    return phase
 
 
 def _overlaps(a: Any, b: Any) -> bool:
@@ -152,7 +175,8 @@ def timeline_figure(report: CellReport, top: int = 3) -> Figure:
     for phase, a, b in phase_runs(report):
         if phase not in PHASES:
             continue
-        label = ax.text((a + b) / 2, 0.975, phase, transform=ax.get_xaxis_transform(), ha="center", va="top",
+        label = ax.text((a + b) / 2, 0.975, _phase_label(report, phase, a, b), transform=ax.get_xaxis_transform(),
+                        ha="center", va="top",
                         fontsize=8, color=INK, bbox=PAPER, zorder=5)
         box = label.get_window_extent(renderer)
         left, right = ax.transData.transform((a, 0))[0], ax.transData.transform((b, 0))[0]
@@ -162,7 +186,10 @@ def timeline_figure(report: CellReport, top: int = 3) -> Figure:
             placed.append(box)
 
     ax.axvline(trace.peak_index, color=LINE, lw=1.5, ls=":", zorder=3)
-    for offset, va in (((4, 4), "bottom"), ((4, -6), "top"), ((-4, 4), "bottom")):
+    offsets = (((4, 4), "bottom"), ((4, -6), "top"), ((-4, 4), "bottom"))
+    if trace.peak_index > 0.8 * n:  # a peak near the end (a generate() call's last step): its label to the left
+        offsets = (((-4, 4), "bottom"), ((-4, -6), "top"), ((4, 4), "bottom"))
+    for offset, va in offsets:
         ha = "left" if offset[0] > 0 else "right"
         label = ax.annotate(f"peak {format_bytes(peak)}", (trace.peak_index, peak), xytext=offset,
                             textcoords="offset points", fontsize=8, fontweight="bold", color=INK, ha=ha, va=va,
@@ -209,8 +236,12 @@ def timeline_figure(report: CellReport, top: int = 3) -> Figure:
     ax.set_xlabel("allocation events in the cell", color=INK, fontsize=9, bbox=PAPER)
     ax.set_ylabel(f"{report.device} memory", color=INK, fontsize=9, bbox=PAPER)
     cell = f"cell {report.cell}" if report.cell is not None else "block"
-    handles = [Patch(color=COLORS[c], label=LABELS[c]) for c in CATEGORIES]
-    handles += [Patch(color=PHASES[p][0], alpha=PHASES[p][1] * 2.5, label=p) for p in PHASES]
+    # the KV cache, prefill and decode in the legend only where the cell had them
+    handles = [Patch(color=COLORS[c], label=LABELS[c]) for c in CATEGORIES if c not in OPTIONAL or any(series[c])]
+    seen = {p for p, _, _ in phase_runs(report)}
+    generated = any(p in seen for p in GENERATION)  # a generating cell names the phases it had, no others
+    handles += [Patch(color=PHASES[p][0], alpha=PHASES[p][1] * 2.5, label=p) for p in PHASES
+                if (p in seen if generated else p not in GENERATION)]
     legend = fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.955), ncol=8, fontsize=8,
                         frameon=True, handlelength=1.2, columnspacing=1.0)
     legend.get_frame().set_facecolor("white")
