@@ -20,7 +20,9 @@ they run.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -138,7 +140,7 @@ def estimating_backend() -> Any:
         from torch._inductor.virtualized import V
 
         # Inductor's joint-graph passes read the fake mode Inductor would have set
-        with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+        with _unseen(), V.set_fake_mode(detect_fake_mode(joint_inputs)):
             return partition_fn(gm, joint_inputs, **kwargs)
 
     import functools
@@ -341,9 +343,31 @@ def _post_grad(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool
         return
 
 
+@contextlib.contextmanager
+def _unseen() -> Iterator[None]:
+    """The compiler's own work, out of the step tracer's sight: AOTAutograd compiles the backward when it
+    first runs (inside the step), and the post-grad passes trace their replacements on fake tensors that the
+    new nodes keep (a real step compiles before the memory that matters, and keeps no tensors of it)."""
+    tracer = ACTIVE[-1] if ACTIVE else None
+    if tracer is None:
+        yield
+        return
+    before = tracer.compiling
+    tracer.compiling = True
+    try:
+        yield
+    finally:
+        tracer.compiling = before
+
+
 def _runner(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool = False) -> Any:
     """A boxed callable that runs ``gm``'s nodes one by one and drops each value after its last use — the
     inputs too (the caller's list is emptied), as Inductor's generated code does."""
+    with _unseen():
+        return _make_runner(gm, example_inputs, is_inference)
+
+
+def _make_runner(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool) -> Any:
     _post_grad(gm, example_inputs, is_inference)
     nodes = list(gm.graph.nodes)
     last_use: dict[Any, list[Any]] = {}

@@ -99,6 +99,9 @@ class StepTracer(Tracker):
         self.failed_on_input = False  # the failing op read an input tensor (or a view of one) directly
         self._fused: set[int] = set()  # serials of values a compiled kernel would not materialize
         self.fusing = False  # set while a compiled graph computes a value that lives inside a fused kernel
+        # set while the compiler works inside the step (AOTAutograd compiles the backward at its first call):
+        # the tensors its passes make on their own fake tensors are no memory of the step
+        self.compiling = False
         self.rnns: list[tuple[int, Any, Any, int]] = []  # (events so far, op, argument specs, workspace serial)
         self.copies: list[tuple[int, int]] = []  # (events so far, bytes) of operand copies inside CPU GEMMs
         self.gemms: list[tuple[int, Any, Any]] = []  # (events so far, op, strided argument specs): half GEMMs
@@ -186,6 +189,8 @@ class StepTracer(Tracker):
         self._new(storage)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.compiling:
+            return func(*args, **(kwargs or {}))
         if func is _DEVICE:
             # Asked tens of thousands of times by autograd and optimizers; answer as FakeTensor would,
             # without the trip through the fake mode (a third of a big model's estimate time).
