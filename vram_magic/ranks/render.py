@@ -15,12 +15,12 @@ from typing import Any
 from ..render import LETTERS
 from ..render.bars import BarRow, Cell, bars_html, grid_html, nbsp_sizes, scale_for, text_bar, values_html
 from ..render.theme import BAD, MUTED, NUM, ROOT, SMALL
-from ..report import CATEGORIES, LABELS, Breakdown
+from ..report import LABELS, Breakdown, shown_categories
 from ..units import format_bytes
 from .result import RankReport, RankReports
 
 _SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
-          "other": "other"}
+          "kv_cache": "kv cache", "other": "other"}
 #: more ranks than this: only each rank's peak is drawn (the table still has before and after)
 ALL_MOMENTS_UP_TO = 4
 
@@ -129,15 +129,16 @@ def ranks_text(reports: RankReports) -> str:
     lines = [title(reports)]
     rows = _rows(reports)
     est = _estimate(reports)
-    head = ["".ljust(15)] + [_SHORT[c].rjust(11) for c in CATEGORIES] + ["total".rjust(11)]
+    cats = shown_categories(*(b for _, _, b in rows), est.peak if est is not None else None)
+    head = ["".ljust(15)] + [_SHORT[c].rjust(11) for c in cats] + ["total".rjust(11)]
     lines.append("".join(head))
     last = None
     for r, moment, b in rows:
         name = (f"rank {r.rank}" if r.rank != last else "").ljust(8) + moment.ljust(7)
         last = r.rank
-        lines.append(name + "".join(format_bytes(b[c]).rjust(11) for c in CATEGORIES) + format_bytes(b.total).rjust(11))
+        lines.append(name + "".join(format_bytes(b[c]).rjust(11) for c in cats) + format_bytes(b.total).rjust(11))
     if est is not None:
-        lines.append("estimate peak".ljust(15) + "".join(format_bytes(est.peak[c]).rjust(11) for c in CATEGORIES)
+        lines.append("estimate peak".ljust(15) + "".join(format_bytes(est.peak.get(c, 0)).rjust(11) for c in cats)
                      + format_bytes(est.peak.total).rjust(11))
     moments = _moments(reports)
     shown = [(r, m, b) for r, m, b in rows if m in moments]
@@ -152,7 +153,7 @@ def ranks_text(reports: RankReports) -> str:
     if est is not None:
         bar = "".join(s for _, s in text_bar(est.peak, scale.top))
         lines.append(f"  {'estimate':<16}|{bar}| {format_bytes(est.peak.total)}")
-    lines.append("  " + "  ".join(f"{LETTERS[c]} {LABELS[c]}" for c in CATEGORIES))
+    lines.append("  " + "  ".join(f"{LETTERS[c]} {LABELS[c]}" for c in cats))
     imbalance = _imbalance_text(reports)
     if imbalance:
         lines.append(imbalance)
