@@ -22,6 +22,7 @@ from vram_magic.render.bars import ZOOM_FRACTION, scale_for
 from vram_magic.render.html import report_html, report_scale
 from vram_magic.render.text import report_text
 from vram_magic.render.widget import report_bundle
+from vram_magic.report import CATEGORIES
 
 F32 = 4
 MiB = 2**20
@@ -60,7 +61,8 @@ def _luminance(rgb: list[float]) -> float:
 
 
 @pytest.mark.parametrize("vision", ["normal", *CVD])
-def test_the_five_categories_stay_apart_under_colour_vision_deficiencies(vision: str) -> None:
+def test_the_six_categories_stay_apart_under_colour_vision_deficiencies(vision: str) -> None:
+    assert set(COLORS) == set(CATEGORIES)  # the KV cache's colour among them
     colours = {c: _linear(h) for c, h in COLORS.items()}
     if vision != "normal":
         m = CVD[vision]
@@ -69,6 +71,8 @@ def test_the_five_categories_stay_apart_under_colour_vision_deficiencies(vision:
     closest = min(math.dist(_lab(colours[a]), _lab(colours[b])) for a, b in itertools.combinations(colours, 2))
     # the earlier palette fell to ΔE 7.3 under protanopia (gradients vs optimizer state)
     assert closest >= 25, f"two categories are only ΔE {closest:.1f} apart under {vision}"
+    kv = min(math.dist(_lab(colours["kv_cache"]), _lab(colours[c])) for c in colours if c != "kv_cache")
+    assert kv >= 30, f"the KV cache is only ΔE {kv:.1f} from another category under {vision}"
 
 
 def test_every_category_stands_off_light_and_dark_backgrounds() -> None:

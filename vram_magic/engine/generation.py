@@ -4,9 +4,10 @@ While a tracker is active, transformers' cache classes (the methods that grow, r
 ``GenerationMixin.generate`` are wrapped — once, whatever the number of trackers, and put back when the last
 one leaves. transformers is never imported for it: only classes already loaded are wrapped.
 
-* Memory made inside a cache's update is made in the phase ``cache update``: the cache's growth step by step
-  (``DynamicLayer``'s ``torch.cat``, whose old tensor is dropped at once), a static layer's preallocation, a
-  quantized layer's dequantized copy, a reorder's or crop's new tensors. It counts as KV cache, freed or not.
+* Memory made inside a cache's update without grad (generate(), ``no_grad``, ``inference_mode``) is made in the
+  phase ``cache update``: the cache's growth step by step (``DynamicLayer``'s ``torch.cat``, whose old tensor
+  is dropped at once), a static layer's preallocation, a quantized layer's dequantized copy, a reorder's or
+  crop's new tensors. It counts as KV cache, freed or not.
 * Inside ``generate()``, memory is made in the phase ``prefill`` until the decode loop's first forward (the
   encoder of an encoder-decoder model, and the prompt's forward, are the prefill), then in ``decode``; each
   forward of the loop is one step (see :meth:`~vram_magic.engine.tracker.Tracker.root_forward`).
@@ -29,8 +30,9 @@ _GENERATION_UTILS = "transformers.generation.utils"
 # the methods of a Cache that make cache memory (growth, preallocation, reorders, crops, offloading's copies)
 _CACHE_METHODS = ("update", "update_conv_state", "update_recurrent_state", "update_indexer", "early_initialization",
                   "reorder_cache", "batch_repeat_interleave", "batch_select_indices", "crop", "offload", "prefetch")
-# generate()'s own functions that run the prompt: a model forward called from them is the prefill
-_PREFILL_FUNCTIONS = frozenset({"_prefill", "_prepare_encoder_decoder_kwargs_for_generation"})
+# generate()'s own functions that run the prompt: a model forward called from them is the prefill (``_prefill``,
+# and the encoder's run: ``_prepare_encoder_decoder_kwargs_for_generation``, ``_prepare_text_encoder_...`` in 5.x)
+_PREFILL_WORDS = ("prefill", "encoder")
 _WRAPPED = "__vram_magic_wrapped__"
 
 _watchers: list[Any] = []  # the active trackers, innermost last
@@ -159,7 +161,7 @@ def _code_kind(code: Any) -> bool | None:
     path = getattr(gen, "__file__", None)
     kind: bool | None = None
     if path and code.co_filename == path:
-        kind = code.co_name in _PREFILL_FUNCTIONS
+        kind = any(word in code.co_name for word in _PREFILL_WORDS)
     if len(_kinds) > 10_000:
         _kinds.clear()
     _kinds[id(code)] = (kind, code)
@@ -209,8 +211,12 @@ class GenerationStages:
         self.steps.append((len(self.events), DECODE, self.gen_step))
 
     def enter_cache_update(self) -> int:
+        """Memory made from here on is the cache's, where no autograd graph can save it: under grad (a training
+        forward with ``use_cache=True``) the cache's new tensors are also what attention saves for backward, and
+        stay activations unless a kept cache holds them at the end."""
         saved = self._stage
-        self._stage = KV_UPDATE
+        if not torch.is_grad_enabled():
+            self._stage = KV_UPDATE
         return saved
 
     def leave_stage(self, saved: int) -> None:
