@@ -86,6 +86,9 @@ CASES: dict[str, Case] = {c.name: c for c in (
     Case("Llama, beam search × 3", llama, 2, 128, 16, {"num_beams": 3}),
     Case("Llama MHA, long prompt (cache dominates)", lambda: llama(layers=4, hidden=256, heads=8, kv_heads=8,
                                                                  inter=256, vocab=512), 4, 1024, 8, vocab=512),
+    Case("Llama MHA, long generation (peak at the last step)", lambda: llama(layers=4, hidden=512, heads=8,
+                                                                           kv_heads=8, inter=256, vocab=512),
+         8, 32, 32, vocab=512),
 )}
 
 

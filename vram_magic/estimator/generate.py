@@ -231,6 +231,7 @@ class Learnt:
         self.tracer, self.registry, self.spec = tracer, registry, spec
         self.marks: dict[str, int] = {}
         self.slot: dict[int, str] = {}  # serial -> slot path
+        self.token_bytes: dict[int, int] = {}  # serial -> bytes per token of a 4-D cache tensor
         self.special: dict[int, tuple[str, str]] = {}
         self.cache: Any = None
         self.kv_final = 0
@@ -240,6 +241,9 @@ class Learnt:
         self.flops: list[tuple[str, int]] = []  # (event, FLOPs so far)
         self.plan: Plan | None = None
         self.cache_name = ""  # a hand-written decoder's cache argument (what names its cache)
+        self.replacing: list[int | None] = []  # serials the jump is about to free (a stack)
+        self.replaced: dict[int, int] = {}  # serial the jump made -> the serial it stands in for
+        self.cached = 0  # tokens the prefill puts in the cache (the decoder's prompt)
         self.hand_written: Any = None  # (its cache, the dimension each tensor grows along)
 
     def serial(self, t: torch.Tensor) -> int | None:
@@ -256,25 +260,39 @@ class Learnt:
             self.cache = cache
         for path, t in kv_cache_tensors(cache, self.cache_name):
             s = self.serial(t)
-            if s is not None:
-                self.slot.setdefault(s, path)
+            if s is not None and s not in self.slot:
+                self.slot[s] = path
+                if t.dim() == 4 and t.shape[-2]:
+                    self.token_bytes[s] = t.numel() // int(t.shape[-2]) * t.element_size()
 
     def event(self, what: str, obj: Any) -> None:
         n = len(self.tracer.events)
         self.flops.append((what, sum(self.tracer.flops)))
-        if what in ("prefill_start", "prefill_end", "jump_start", "jump_end"):
+        if what in ("prefill_start", "prefill_end", "jump_start", "jump_end", "loop_end"):
             self.marks.setdefault(what, n)
         if what == "step":
             self.marks.setdefault(f"step{obj}", n)
         elif what == "prefill_start":
             self._setup(obj)
         elif what in ("prefill_end", "decode_forward", "reorder", "jump_end"):
+            if what in ("prefill_end", "decode_forward"):
+                self.marks["forward_done"] = n  # the last forward's end: the loop's bookkeeping follows
+                if "jump_end" not in self.marks:
+                    self.marks["bookkeeping_before_jump"] = n
             self.walk(obj)
             if what == "prefill_end":
                 self.marks.setdefault("decode_start", n)
                 plan = self.plan
                 if plan is not None and plan.jump and not self.cache_name:
                     plan.jump = self.cache is not None and can_jump(self.cache)
+        elif what == "prompt":
+            self.cached = int(obj)
+        elif what == "replacing":
+            self.replacing.append(self.serial(obj))
+        elif what == "replaced":
+            new, old = self.serial(obj), self.replacing.pop() if self.replacing else None
+            if new is not None and old is not None:
+                self.replaced[new] = old
         elif what == "logits_copy":
             s = self.serial(obj)
             if s is not None:
@@ -337,7 +355,8 @@ class Learnt:
                 "fixed": fixed, "kv_final": self.kv_final, "steps": tuple(plan.steps_run), "jumped": plan.jumped,
                 "logits_to_keep": self.logits_to_keep if kind == "transformers" else None,
                 "encoder_length": self.encoder_length, "jump_ok": plan.jump, "flops": self.phase_flops(),
-                "slot": dict(self.slot), "marks": dict(self.marks),
+                "slot": dict(self.slot), "marks": dict(self.marks), "replaced": dict(self.replaced),
+                "token_bytes": dict(self.token_bytes), "cached": self.cached,
                 "is_encoder_decoder": bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))}
 
 

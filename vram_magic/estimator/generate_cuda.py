@@ -19,7 +19,7 @@ So a padding mask moves a GPU from flash to memory-efficient attention, and a gr
 
 **The caching allocator and a growing cache.** A dynamic cache asks for one token more per layer every step,
 and a freed block is never quite large enough for the next, longer request; blocks in different segments
-never merge. :func:`unrolled_reserved` replays every decoding step (the traced second step repeated, each
+never merge. :func:`unrolled_reserved` replays every decoding step (the traced last step repeated, each
 allocation at the size it has at that step) through :class:`~vram_magic.engine.caching_allocator.
 CachingAllocator`, from the traced prefill to the last token, and reports the reserved peak and what is
 reserved above allocated when the loop ends.
@@ -116,35 +116,65 @@ def kernel_note(kernels: Mapping[str, int], capability: tuple[int, int], named: 
 
 
 def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapping[int, int],
-                      bounds: tuple[int, int, int, int, int], steps: int, persistent: Iterable[int] = ()
-                      ) -> tuple[int, int, int] | None:
+                      bounds: tuple[int, int, int, int, int, int], steps: int, first: int, cached: int, *,
+                      slot: Mapping[int, str], replaced: Mapping[int, int], token_bytes: Mapping[int, int],
+                      persistent: Iterable[int] = ()) -> tuple[int, int, int] | None:
     """``(peak reserved, reserved at the end, allocated at the end)`` of the whole loop replayed through the
-    caching allocator: the trace up to the end of step 2, then steps 3 .. ``steps`` made from step 2's events
-    (each allocation grown as it grew from step 1 to step 2, capped at its size in the traced last step).
-    ``bounds``: the event indices where steps 1 and 2 start, where the jump starts and ends, and where the
-    loop ends; ``persistent``: sizes allocated once after the initial storages and kept (cuBLAS workspaces).
-    ``None`` when the steps do not line up (the loop then ran every step, or changed course)."""
-    s1, s2, j0, j1, end = bounds
-    one, two, last = events[s1:s2], events[s2:j0], events[j1:end]
-    a1 = [e for e in one if e > 0]
-    a2 = [e for e in two if e > 0]
-    a_last = [e for e in last if e > 0]
-    if len(a1) != len(a2) or len(a2) != len(a_last) or steps < 3:
+    caching allocator: the trace up to the jump, then steps ``first`` .. ``steps`` made from the traced last
+    step, each allocation at the size it has at that step (a cache tensor of ``b`` bytes per token holds
+    ``min(cached + step, its length in the last step)`` tokens; the loop's own tensors are between their
+    sizes before the jump and in the last step).
+
+    ``bounds``: the event indices where the forward before the jump ended (its bookkeeping follows), where the
+    jump starts and ends, where the last step starts, where its forward ends, and where the loop ends;
+    ``cached``: tokens in the cache after the prefill; ``slot``: cache storages by slot (``layers[3].keys``);
+    ``replaced``: storage the jump made → the one it stands in for; ``token_bytes``: a cache storage's bytes
+    per token; ``persistent``: sizes allocated once after the initial storages (cuBLAS workspaces).
+    Transient small-pool allocations (≤ 1 MiB, made and freed within a step) repeat identically and are
+    left out. ``None`` when the steps do not line up."""
+    b0, j0, j1, sl, bl, end = bounds
+    if not (b0 <= j0 <= j1 <= sl <= bl <= end) or steps < first:
         return None
-    pos2 = {s: i for i, s in enumerate(a2)}
-    pos1 = {s: i for i, s in enumerate(a1)}
-    grow = [sizes[b] - sizes[a] for a, b in zip(a1, a2)]
-    cap = [sizes[s] for s in a_last]
+    a_last = [e for e in events[sl:end] if e > 0]
+    bk_prev = [e for e in events[b0:j0] if e > 0]
+    bk_last = [e for e in events[bl:end] if e > 0]
+    if len(bk_prev) != len(bk_last):
+        return None
+    pos = {s: i for i, s in enumerate(a_last)}
+    role = {s: pos[t] for s, t in zip(bk_prev, bk_last)}  # the loop's tensors: before the jump -> last step
+    by_path = {slot[s]: i for s, i in pos.items() if s in slot}
     template: list[tuple[int, int]] = []  # (+1 alloc / -1 free of this step's / -2 free of the previous step's, pos)
-    for e in two:
+    freed_here: set[int] = set()
+    for e in events[sl:end]:
         if e > 0:
-            template.append((1, pos2[e]))
-        elif -e in pos2:
-            template.append((-1, pos2[-e]))
-        elif -e in pos1:
-            template.append((-2, pos1[-e]))
+            template.append((1, pos[e]))
+            continue
+        x = -e
+        if x in pos:
+            template.append((-1, pos[x]))
+            freed_here.add(pos[x])
+            continue
+        x = replaced.get(x, x)
+        if x in role:
+            template.append((-2, role[x]))
+        elif x in slot and slot[x] in by_path:
+            template.append((-2, by_path[slot[x]]))
         else:
-            return None  # step 2 frees something older than step 1: the steps are not alike
+            return None  # the last step frees something no step makes: the steps are not alike
+    base = {p: sizes[s] for s, p in role.items()}
+    small = 1 << 20
+    template = [(k, p) for k, p in template
+                if k == -2 or p not in freed_here or max(sizes[a_last[p]], base.get(p, 0)) > small]
+
+    def size(p: int, m: int) -> int:
+        s = a_last[p]
+        tb = token_bytes.get(s, 0)
+        if tb:
+            return min(sizes[s], tb * (cached + m))
+        if p in base:
+            return base[p] + (sizes[s] - base[p]) * m // max(steps, 1)
+        return sizes[s]
+
     a = CachingAllocator()
     handles: dict[int, int] = {}
     for s in initial:
@@ -156,15 +186,16 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
             handles[e] = a.malloc(sizes[e])
         else:
             a.free(handles.pop(-e, 0))
-    previous = [handles.get(s, 0) for s in a2]
-    for m in range(3, steps + 1):
-        current = [0] * len(a2)
+    previous = [0] * len(a_last)
+    for s, h in handles.items():
+        p = role.get(s, by_path.get(slot.get(s, "\x00"), -1))
+        if p >= 0:
+            previous[p] = h
+    for m in range(first, steps + 1):
+        current = [0] * len(a_last)
         for kind, p in template:
             if kind == 1:
-                n = sizes[a2[p]] + (m - 2) * grow[p]
-                if grow[p] > 0:
-                    n = min(n, cap[p])
-                current[p] = a.malloc(max(n, 0))
+                current[p] = a.malloc(size(p, m))
             elif kind == -1:
                 a.free(current[p])
                 current[p] = 0

@@ -124,12 +124,17 @@ def _generation(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec) -> 
 def _reserved(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec, opts: Options,
               target: Target) -> tuple[int, int] | None:
     marks = trace.marks
-    keys = ("step1", "step2", "jump_start", "jump_end", "loop_end")
+    last = spec.new_tokens - 1
+    keys = ("bookkeeping_before_jump", "jump_start", "jump_end", f"step{last}", "forward_done", "loop_end")
     if not all(k in marks for k in keys):
         return None
     workspace = target.cuda.workspace(target.gpu)[0] if trace.uses_matmul else 0
-    out = unrolled_reserved(trace.initial, trace.events, trace.sizes, tuple(marks[k] for k in keys),  # type: ignore[arg-type]
-                            spec.new_tokens - 1, persistent=(workspace,))
+    bounds = tuple(marks[k] for k in keys)
+    first = max(s for s in facts["steps"] if s < last) + 1
+    cached = facts["cached"]
+    out = unrolled_reserved(trace.initial, trace.events, trace.sizes, bounds, last, first, cached,  # type: ignore[arg-type]
+                            slot=facts["slot"], replaced=facts["replaced"], token_bytes=facts["token_bytes"],
+                            persistent=(workspace,))
     if out is None:
         return None
     peak, reserved, allocated = out
@@ -171,7 +176,7 @@ def estimate_generate(model: Any, inputs: Any, opts: Options, target: Target, *,
 
     check_inputs(inputs)
     opts = opts.with_(inference=True)
-    request = Request(model, inputs)
+    request = Request(without_init(model), inputs)
     est = evaluate_generate(request, opts, spec, target)
     est = replace(est, rerun=(request, target), options=opts)
     if max_seq or max_batch:
@@ -186,6 +191,31 @@ def estimate_generate(model: Any, inputs: Any, opts: Options, target: Target, *,
 
         est = replace(est, strategies=tuple(generate_what_if(est)))
     return est
+
+
+def without_init(model: Any) -> Any:
+    """A model builder run with transformers' weight initialization off (``no_init_weights``: fake weights have
+    no values to initialize, and an 8B model's initialization is most of its build time); anything else as
+    it is."""
+    from torch import nn
+
+    if isinstance(model, nn.Module) or not callable(model):
+        return model
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        try:
+            from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef]
+        except ImportError:
+            return model
+    import functools
+
+    @functools.wraps(model)
+    def build() -> Any:
+        with no_init_weights():
+            return model()
+
+    return build
 
 
 def spec_of(est: Estimate) -> GenerateSpec:

@@ -9,11 +9,11 @@ object it chooses. The loop is handed in as ``custom_generate``: the functions b
 checks that read values (``unfinished_sequences.max() == 0``, the beam search's stopping condition): they
 run to ``max_new_tokens`` (``min_new_tokens=N`` makes the real loop do the same).
 
-Every decoding step but the last repeats the one before it with one more token in the cache. So the loop
-runs the prefill and the first two steps, then *advances* the state to the start of the last step (the
-cache and the growing tensors at the lengths the real loop would have then, the old ones freed first so the
-jump itself never raises the memory), and runs the last step, at the longest cache. When a cache has a layer
-type whose growth is not modelled, every step runs.
+Every decoding step repeats the one before it with one more token in the cache. So the loop runs the
+prefill (and what the loop does with its logits), then *advances* the state to the start of the last step
+(the cache and the growing tensors at the lengths the real loop would have then, each old tensor freed
+before its longer one is made, so the jump itself never raises the memory), and runs the last step, at the
+longest cache. When a cache has a layer type whose growth is not modelled, every step runs.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ class Plan:
     new_tokens: int
     on_event: Callable[[str, Any], None] = lambda what, cache: None
     jump: bool = True
+    jump_at: int = 0  # the step after which the loop jumps to the last (its bookkeeping is the last step's)
     jumped: int = 0  # tokens the jump skipped (0: every step ran)
     steps_run: list[int] = field(default_factory=list)
 
@@ -55,7 +56,7 @@ class Plan:
         """The step after ``step`` (``None``: the loop ends)."""
         if step >= self.last:
             return None
-        if self.jump and step == 2 and self.last > 3:
+        if self.jump and step == self.jump_at and self.last > self.jump_at + 1:
             return self.last
         return step + 1
 
@@ -93,6 +94,7 @@ def sample(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_
     unfinished_sequences = torch.ones(batch_size, dtype=torch.long, device=input_ids.device)
     if pad_token_id is not None:
         pad_token_id = pad_token_id.to(input_ids.device)
+    plan.on_event("prompt", int(input_ids.shape[1]))
     plan.on_event("prefill_start", model_kwargs)
     outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
     plan.on_event("prefill_end", outputs.get("cache") if hasattr(outputs, "get") else None)
@@ -124,9 +126,12 @@ def sample(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_
         following = plan.next_step(step)
         if following is not None and following > step + 1:
             shape, dtype = tuple(input_ids.shape), input_ids.dtype
+            plan.on_event("jump_start", None)
+            plan.on_event("replacing", input_ids)
             input_ids = None  # freed before the longer one is made
             input_ids = advance(plan, shape, dtype, following - step - 1, model_kwargs)
         step = following
+    plan.on_event("loop_end", None)
     return input_ids
 
 
@@ -164,6 +169,7 @@ def beam_search(model: Any, input_ids: torch.Tensor, logits_processor: Any, stop
                                       dtype=torch.int32, device=device)
     beam_indices = running_beam_indices.detach().clone()
     flat_running_sequences = input_ids
+    plan.on_event("prompt", int(input_ids.shape[1]))
     plan.on_event("prefill_start", model_kwargs)
     model_outputs = model._prefill(input_ids, gc, model_kwargs, is_first_iteration=True)
     plan.on_event("prefill_end", model_outputs.get("cache") if hasattr(model_outputs, "get") else None)
@@ -229,10 +235,13 @@ def beam_search(model: Any, input_ids: torch.Tensor, logits_processor: Any, stop
         if following is not None and following > step + 1:
             skip = following - step - 1
             shape, dtype = tuple(flat_running_sequences.shape), flat_running_sequences.dtype
+            plan.on_event("jump_start", None)
+            plan.on_event("replacing", flat_running_sequences)
             flat_running_sequences = None
             flat_running_sequences = advance(plan, shape, dtype, skip, model_kwargs)
             cur_len += skip
         step = following
+    plan.on_event("loop_end", None)
     return sequences
 
 
@@ -240,18 +249,20 @@ def advance(plan: Plan, ids_shape: tuple[int, ...], ids_dtype: torch.dtype, toke
             model_kwargs: dict[str, Any]) -> torch.Tensor:
     """Skip ``tokens`` decoding steps: every growing model kwarg and the cache's self-attention layers at the
     lengths the real loop would reach, each old tensor freed before its longer one is made; returns the token
-    ids at their new length."""
-    plan.on_event("jump_start", None)
+    ids at their new length (the caller has let go of the old ones)."""
     for key in GROWING_KWARGS:
         t = model_kwargs.get(key)
         if isinstance(t, torch.Tensor) and t.dim() >= 1:
             shape, dtype = tuple(t.shape), t.dtype
+            plan.on_event("replacing", t)
             model_kwargs[key] = t = None
             model_kwargs[key] = torch.empty((*shape[:-1], shape[-1] + tokens), dtype=dtype)
+            plan.on_event("replaced", model_kwargs[key])
     cache = cache_of(model_kwargs)
     if cache is not None:
         grow_cache(cache, tokens)
     ids = torch.empty((*ids_shape[:-1], ids_shape[-1] + tokens), dtype=ids_dtype)
+    plan.on_event("replaced", ids)
     plan.jumped = tokens
     plan.on_event("jump_end", cache)
     return ids

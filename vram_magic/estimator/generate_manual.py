@@ -10,8 +10,8 @@ The convention: ``forward(input_ids, past_key_values=None)`` (or ``past=``, ``la
         ids = torch.cat([ids, token], dim=-1)
         logits, past = model(token, past_key_values=past)    # one token, the cache passed back
 
-(the last token comes from the last logits). As for transformers models, the prefill and the first two
-steps run, then the cache (each tensor grown along the dimension that grew by one token from the prefill to
+(the last token comes from the last logits). As for transformers models, the prefill and the first step
+run, then the cache (each tensor grown along the dimension that grew by one token from the prefill to
 the first step) is advanced to the start of the last step, which runs at the longest cache.
 """
 
@@ -135,6 +135,8 @@ def manual_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: Plan, lea
                          "dict with input_ids")
     params = inspect.signature(model.forward).parameters
     flags = {"use_cache": True} if "use_cache" in params else {}
+    plan.jump_at = 1  # the dimension each cache tensor grows along is seen from the prefill to step 1
+    plan.on_event("prompt", int(ids.shape[1]))
     plan.on_event("prefill_start", None)
     out = model(ids, **{name: None}, **flags, **extra)
     logits, past = split_output(out, name)
@@ -160,13 +162,16 @@ def manual_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: Plan, lea
         if following is not None and following > step + 1:
             skip = following - step - 1
             plan.on_event("jump_start", None)
+            plan.on_event("replacing", ids)
             structure, ids_shape = _shape_only(past), tuple(ids.shape)
             past = ids = None
             past = _grown(structure, dims, skip, [0])
             ids = torch.empty((ids_shape[0], ids_shape[1] + skip), dtype=torch.long)
+            plan.on_event("replaced", ids)
             plan.jumped = skip
             plan.on_event("jump_end", past)
         step = following
+    plan.on_event("loop_end", None)
     learnt.cache = past
     learnt.hand_written = (past, dims)
     return ids
