@@ -13,14 +13,27 @@ from __future__ import annotations
 
 import re
 import sys
-import weakref
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .kv_cache import CACHE_NAME_ENDINGS, is_cache_class, is_kv_cache, kv_cache_tensors
+from .containers import (
+    KV_CACHE,
+    MAPPING,
+    MODULE,
+    OPTIMIZER,
+    SCALARS,
+    SEQUENCE,
+    SKIP,
+    TENSOR,
+    FastReader,
+    Found,
+    object_kind,
+)
+from .kv_cache import CACHE_NAME_ENDINGS, is_kv_cache, kv_cache_tensors
 from .quantized import packed_info, packed_objects
 from .registry import LiveStorages
 from .tensors import grad, grad_fn, storage_parts
@@ -32,55 +45,19 @@ _IPYTHON_NAMES = frozenset(
 )
 _OUTPUT_CACHE = re.compile(r"^(_+|_\d+)$")
 _INPUT_CACHE = re.compile(r"^_i+\d*$")
-#: objects visited per scan; containers are read in full up to this bound, and what a bound leaves out is noted
+#: objects visited one by one per scan, and what this bound leaves out is noted. Plain data in big containers
+#: (strings, numbers, plain tensors: see containers.py) is read at C speed and does not count.
 MAX_OBJECTS = 200_000
 _MAX_NOTES = 5
-
-# What the walker does with an object, decided once per type (isinstance chains are slow for many objects).
-# Keyed by id, with a weakref to check it: a class defined in a cell may hold tensors, and must not be kept.
-_TENSOR, _MODULE, _OPTIMIZER, _SKIP, _MAPPING, _SEQUENCE, _OBJECT, _KV = range(8)
-_kinds: dict[int, tuple[int, weakref.ref]] = {}
-
-
-def _kind(cls: type) -> int:
-    hit = _kinds.get(id(cls))
-    if hit is not None and hit[1]() is cls:
-        return hit[0]
-    try:
-        if issubclass(cls, torch.Tensor):
-            kind = _TENSOR
-        elif issubclass(cls, torch.nn.Module):
-            kind = _MODULE
-        elif issubclass(cls, torch.optim.Optimizer):
-            kind = _OPTIMIZER
-        elif issubclass(cls, (str, bytes, bytearray, int, float, complex, bool, type, type(None), set, frozenset,
-                              range, memoryview)):
-            kind = _SKIP
-        elif is_cache_class(cls):  # a Hugging Face KV cache (see kv_cache.py)
-            kind = _KV
-        elif issubclass(cls, Mapping):
-            kind = _MAPPING
-        elif issubclass(cls, (list, tuple)):
-            kind = _SEQUENCE
-        elif str(cls.__module__).startswith("vram_magic") or cls.__module__ == "builtins":
-            kind = _SKIP
-        else:
-            kind = _OBJECT
-        ref = weakref.ref(cls)
-    except Exception:  # a class whose subclass checks raise: leave its objects alone
-        return _SKIP
-    if len(_kinds) > 10_000:
-        _kinds.clear()
-    _kinds[id(cls)] = (kind, ref)
-    return kind
-
 
 @dataclass
 class Scan:
     """``owner[id(storage)] = (category, label)``, plus the names that hold each graph."""
 
     owner: dict[int, tuple[str, str]] = field(default_factory=dict)
-    holders: dict[int, str] = field(default_factory=dict)  # id(storage) -> variable name holding it
+    # id(storage) -> variable name holding it, for the tensors claimed one by one (those of a big container read
+    # at C speed are claimed by its name in `owner` only)
+    holders: dict[int, str] = field(default_factory=dict)
     module_names: dict[int, str] = field(default_factory=dict)  # id(module) -> "model.layers.3.mlp"
     optimizer_names: dict[int, str] = field(default_factory=dict)  # id(optimizer) -> "opt"
     notes: list[str] = field(default_factory=list)  # what could not be read, or was left out
@@ -90,16 +67,17 @@ class Scan:
 
 
 class _Walker:
-    def __init__(self, registry: LiveStorages) -> None:
+    def __init__(self, registry: LiveStorages, namespace: Any = None) -> None:
         self.registry = registry
         self.scan = Scan()
+        self.reader = FastReader(registry, namespace)
         self.modules: list[tuple[str, torch.nn.Module]] = []
         self.optimizers: list[tuple[str, torch.optim.Optimizer]] = []
-        self.tensors: list[tuple[str, torch.Tensor]] = []
-        self.cache_tensors: list[tuple[str, torch.Tensor]] = []
+        self.tensors: list[tuple[str, Any]] = []  # (name, tensor, or what a big container holds)
+        self.cache_tensors: list[tuple[str, Any]] = []
         self.kv_caches: list[tuple[str, Any]] = []  # (name, KV cache): see kv_cache.py
         self.seen: set[int] = set()
-        self.count = 0  # objects visited, scalars included (a list of a million floats costs its length)
+        self.count = 0  # objects visited one by one, scalars included (not those of containers read at C speed)
         self.unread: list[str] = []
         self.skipped: dict[str, int] = {}  # container name -> items left out by the object bound
         self.fsdp: dict[int, tuple[str, Any]] = {}  # id(FSDP state) -> (module name, state)
@@ -126,38 +104,35 @@ class _Walker:
         self.count += 1
         if id(obj) in self.seen:
             return
-        kind = _kind(type(obj))
-        if kind == _SKIP:
+        kind = object_kind(type(obj))
+        if kind == SKIP:
             return
         self.seen.add(id(obj))
         # --- KV caches: a Hugging Face cache at any depth; a legacy tuple cache, or a hand-written one by its name
-        if kind == _KV or (kind in (_TENSOR, _SEQUENCE, _MAPPING) and (
+        if kind == KV_CACHE or (kind in (TENSOR, SEQUENCE, MAPPING) and (
                 name.endswith(CACHE_NAME_ENDINGS) or (type(obj) is tuple and obj and type(obj[0]) is tuple))
                 and is_kv_cache(obj, name)):
             self.kv_caches.append((name, obj))
             return
         # ---
-        if kind == _TENSOR:
+        if kind == TENSOR:
             (self.cache_tensors if cache else self.tensors).append((name, obj))
-        elif kind == _MODULE:
+        elif kind == MODULE:
             self.modules.append((name, obj))
-        elif kind == _OPTIMIZER:
+        elif kind == OPTIMIZER:
             self.optimizers.append((name, obj))
         elif depth <= 0:
             return
-        elif kind == _MAPPING:
-            items = list(obj.items())
-            for i, (k, v) in enumerate(items):
-                if self._full():
-                    self.skipped[name] = self.skipped.get(name, 0) + len(items) - i
-                    break
-                self.visit(f"{name}[{_key(k)}]", v, depth - 1, cache)
-        elif kind == _SEQUENCE:
-            for i, v in enumerate(obj):
-                if self._full():
-                    self.skipped[name] = self.skipped.get(name, 0) + len(obj) - i
-                    break
-                self.visit(f"{name}[{i}]", v, depth - 1, cache)
+        elif kind == MAPPING or kind == SEQUENCE:
+            found = self.reader.read(obj, depth)  # a big container of plain data: at C speed, remembered
+            if found is not None:
+                if found.keys:
+                    (self.cache_tensors if cache else self.tensors).append((name, found))
+                return
+            if kind == MAPPING:
+                self._items(name, list(obj.items()), depth, cache)
+            else:
+                self._items(name, enumerate(obj), depth, cache, len(obj), True)
         else:
             if callable(obj):
                 return
@@ -170,6 +145,21 @@ class _Walker:
                     if self._full():
                         break
                     self.visit(f"{name}.{k}", v, depth - 1, cache)
+
+    def _items(self, name: str, items: Iterable[tuple[Any, Any]], depth: int, cache: bool, n: int = -1,
+               positions: bool = False) -> None:
+        """A container's items one by one, each named (``xs[3]``, ``d['key']``); scalars counted, not named."""
+        if n < 0:
+            n = len(items)  # type: ignore[arg-type]
+        scalars = SCALARS
+        for i, (k, v) in enumerate(items):
+            if self.count >= MAX_OBJECTS:
+                self.skipped[name] = self.skipped.get(name, 0) + n - i
+                break
+            if type(v) in scalars:
+                self.count += 1
+                continue
+            self.visit(f"{name}[{k if positions else _key(k)}]", v, depth - 1, cache)
 
     # --- assign (first claim wins: the order is the priority) -----------------------------------
     def claim(self, t: Any, category: str, label: str, holder: str | None = None, frozen: bool = False) -> int | None:
@@ -195,6 +185,15 @@ class _Walker:
             if holder:
                 self.scan.holders[key] = holder
         return key
+
+    def _claim_found(self, found: Found, owner_of: tuple[str, str]) -> None:
+        """Claim the storages of a big container's tensors (a hundred thousand of them) in C: those no earlier
+        claim took."""
+        owner, mine = self.scan.owner, found.owners(owner_of)
+        if owner.keys().isdisjoint(mine.keys()):
+            owner.update(mine)
+        else:
+            owner.update(dict.fromkeys(mine.keys() - owner.keys(), owner_of))
 
     def _claim_all(self, items: Iterable[tuple[Any, str]], category: str, prefix: str = "",
                    grads: list[tuple[Any, str]] | None = None) -> None:
@@ -275,12 +274,18 @@ class _Walker:
         graphs = self._claim_kv_caches()
         self._claim_all(buffers, "other", "buffers of ")
         for name, t in self.tensors:
+            if type(t) is Found:  # the tensors of a big container, all leaves: "other", by the container's name
+                self._claim_found(t, ("other", name))
+                continue
             # a forward output (part of a graph) is an activation; a leaf (input, user data) is "other"
             fn = grad_fn(t)
             self.claim(t, "activations" if fn is not None else "other", name, name)
             if fn is not None:
                 graphs.append((name, fn))
         for name, t in self.cache_tensors:
+            if type(t) is Found:
+                self._claim_found(t, ("other", f"output cache {name}"))
+                continue
             self.claim(t, "other", f"output cache {name}", name)
             fn = grad_fn(t)
             if fn is not None:
@@ -288,8 +293,11 @@ class _Walker:
         for name, fn in graphs:
             try:
                 for saved, is_leaf in saved_tensors(fn):
-                    if is_leaf:  # a parameter no module or optimizer in the namespace knows any more
-                        self.claim(saved, "parameters", f"held by the graph of {name}", name)
+                    if is_leaf:  # a leaf the graph reaches that nothing in the namespace holds any more: a
+                        # Parameter is still one (its module gone); any other tensor is "other"
+                        parameter = isinstance(saved, torch.nn.Parameter)
+                        self.claim(saved, "parameters" if parameter else "other", f"held by the graph of {name}",
+                                   name)
                     else:
                         self.claim(saved, "activations", f"graph held by {name}", name)
             except Exception as err:
@@ -333,6 +341,21 @@ class _Walker:
                         buffers.append((b, name))
             for obj, _ in packed_objects(sub):  # torch.ao quantized modules: weights packed outside any tensor
                 self.packed.append((obj, name))
+            attrs = sub.__dict__
+            if not _MODULE_ATTR_TYPES.issuperset(map(type, attrs.values())):
+                self._module_tensors(subname, attrs)
+
+    def _module_tensors(self, name: str, attrs: dict[str, Any]) -> None:
+        """Tensors a module holds as plain attributes (not a Parameter, not a buffer): counted as the namespace's
+        tensors are (``model.scale``: "other", or activations with the graph it holds), a KV cache by its name."""
+        for k, v in list(attrs.items()):
+            if object_kind(type(v)) != TENSOR:
+                continue
+            path = f"{name}.{k}"
+            if path.endswith(CACHE_NAME_ENDINGS) and is_kv_cache(v, path):
+                self.kv_caches.append((path, v))
+            else:
+                self.tensors.append((path, v))
 
     def _claim_packed(self, obj: Any, name: str) -> None:
         """A torch.ao quantized module's packed weights: the object stands for its buffer in the registry (its
@@ -422,6 +445,10 @@ class _Walker:
         return text
 
 
+# the types of a module's own attributes that are never tensors (its dicts of parameters, buffers, hooks and
+# submodules, flags, sizes): a module with nothing else needs no look at each attribute
+_MODULE_ATTR_TYPES = frozenset({dict, OrderedDict, set, bool, int, float, str, tuple, list, type(None)})
+
 _FSDP = ("torch.distributed.fsdp._fully_shard._fully_shard",  # FSDP2's module (PyTorch 2.6 on)
          "torch.distributed._composable.fsdp.fully_shard")  # where it lived before
 
@@ -443,7 +470,7 @@ def _key(k: Any) -> str:
 
 def scan_namespace(namespace: Mapping[str, Any] | None, registry: LiveStorages, depth: int = 3) -> Scan:
     """Attribute every storage reachable from ``namespace`` (an IPython ``user_ns`` or a module's globals)."""
-    walker = _Walker(registry)
+    walker = _Walker(registry, namespace)
     if namespace:
         try:
             items = list(namespace.items())
@@ -464,6 +491,7 @@ def scan_namespace(namespace: Mapping[str, Any] | None, registry: LiveStorages, 
                     walker.visit(name, value, depth, cache=True)
                     continue
             walker.visit(name, value, depth)
+        walker.reader.finish()
     return walker.assign()
 
 

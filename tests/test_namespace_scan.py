@@ -1,0 +1,208 @@
+"""The namespace scan: big containers read at C speed and remembered between cells, counted exactly whatever
+changes in them; a module's plain tensor attributes. Bytes worked out by hand (float32: 4 bytes an element)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from conftest import run_ok
+
+from vram_magic.engine import attribution, containers
+from vram_magic.engine.registry import LiveStorages
+
+F32 = 4
+
+
+def other(shell, name="r", when="after"):
+    return getattr(shell.user_ns[name], when).details("other")
+
+
+def measure(shell, body="pass"):
+    run_ok(shell, f"%%vram -q -o r\n{body}")
+    return shell.user_ns["r"]
+
+
+# --- big containers: counted exactly, under their name -------------------------------------------------------
+def test_a_dict_of_100k_small_tensors_is_counted_exactly_under_its_name(shell):
+    run_ok(shell, "import torch\nbig = {i: torch.ones(256) for i in range(100_000)}")
+    for _ in range(2):  # the first cell reads it, the second finds it unchanged
+        r = measure(shell)
+        assert r.before.details("other") == {"big": 100_000 * 256 * F32}
+        assert r.after.details("other") == {"big": 100_000 * 256 * F32} and r.after.total == 100_000 * 256 * F32
+        assert not [n for n in r.notes if "stopped" in n]
+
+
+def test_a_dataset_of_tensor_label_pairs_and_a_list_of_paths(shell):
+    run_ok(shell, "import torch\ndata = [(torch.ones(7, 4), i % 10) for i in range(1000)]\n"
+                  "paths = [f'/data/{i:05d}.jpg' for i in range(5000)]")
+    for _ in range(2):
+        measure(shell)
+        assert other(shell, when="before") == {"data": 1000 * 28 * F32}
+    run_ok(shell, "paths[7] = torch.ones(5)")  # plain data gains a tensor
+    measure(shell)
+    assert other(shell, when="before") == {"data": 1000 * 28 * F32, "paths": 5 * F32}
+
+
+@pytest.mark.parametrize("change, expected", [
+    ("xs.append(torch.ones(100))", 300 * 16 * F32 + 100 * F32),
+    ("xs[3] = torch.ones(100)", 299 * 16 * F32 + 100 * F32),  # the old tensor freed
+    ("keep = xs[3]\nxs[3] = torch.ones(100)", 299 * 16 * F32 + 100 * F32),  # the old one alive elsewhere
+    ("del xs[10:20]", 290 * 16 * F32),
+    ("xs[5].set_(torch.ones(64).untyped_storage())", 299 * 16 * F32 + 64 * F32),
+    ("xs[5].data = torch.ones(32)", 299 * 16 * F32 + 32 * F32),
+    ("xs.sort(key=id)", 300 * 16 * F32),
+])
+def test_a_container_changed_between_cells_is_counted_again(shell, change, expected):
+    run_ok(shell, "import torch\nxs = [torch.ones(16) for _ in range(300)]")
+    measure(shell)
+    assert other(shell) == {"xs": 300 * 16 * F32}
+    run_ok(shell, change)
+    measure(shell)
+    assert other(shell)["xs"] == expected
+    if "keep" in change:
+        assert other(shell)["keep"] == 16 * F32
+
+
+def test_a_container_changed_inside_the_measured_cell(shell):
+    run_ok(shell, "import torch\nd = {i: torch.ones(8) for i in range(400)}")
+    r = measure(shell, "d[0] = torch.ones(1000)\nd['new'] = torch.ones(10)")
+    assert r.before.details("other") == {"d": 400 * 8 * F32}
+    assert r.after.details("other") == {"d": (399 * 8 + 1000 + 10) * F32}
+    assert r.delta.other == (1000 + 10 - 8) * F32
+
+
+@pytest.mark.parametrize("build, change, expected", [
+    # a list of dicts: the dicts are mutable, their items are compared too
+    ("[{'x': torch.ones(4), 'y': 1} for _ in range(300)]", "c[7]['x'] = torch.ones(40)", (299 * 4 + 40) * F32),
+    ("[{'x': torch.ones(4), 'y': 1} for _ in range(300)]", "c[7]['z'] = torch.ones(40)", (300 * 4 + 40) * F32),
+    # a list of lists of numbers (kept as a copy): a tensor put in an inner list
+    ("[[1, 2, 3] for _ in range(300)]", "c[5].append(torch.ones(4))", 4 * F32),
+    # a number replaced by a one-element tensor equal to it: a change, not an equal value
+    ("[float(i) for i in range(1000)]", "c[3] = torch.tensor(3.0)", F32),
+    ("{str(i): i for i in range(1000)}", "c['3'] = torch.tensor([3])", 8),
+    # tuples of (tensor, label): one replaced by another tuple
+    ("[(torch.ones(4), i) for i in range(300)]", "c[0] = (torch.ones(400), 0)", (299 * 4 + 400) * F32),
+])
+def test_nested_containers_changed_between_cells(shell, build, change, expected):
+    run_ok(shell, f"import torch\nc = {build}")
+    measure(shell)
+    run_ok(shell, change)
+    measure(shell)
+    assert other(shell).get("c", 0) == expected
+
+
+def test_fast_and_item_by_item_reads_count_the_same(monkeypatch):
+    """Every structure the fast read takes, against the walker's own item-by-item read (FAST_MIN out of reach):
+    the same bytes in each category, tensors past the walker's depth left out by both."""
+    t = torch.ones(3)
+    structures = {
+        "tensors": [torch.ones(i % 7 + 1) for i in range(300)],
+        "pairs": [(torch.ones(2), "a", None, 1.5) for _ in range(300)],
+        "dicts": {i: {"a": torch.ones(2), "b": [torch.ones(1), 3]} for i in range(300)},
+        "shared": [t] * 300,
+        "deep": [[[torch.ones(5)]] for _ in range(300)],  # found: the walker's depth 3 reaches it
+        "deeper": [[[[torch.ones(5)]]] for _ in range(300)],  # not found, by either
+        "mixed": [torch.ones(1), "x", 2, (torch.ones(2), [torch.ones(3)])] * 100,
+        "sparse": [torch.eye(3).to_sparse() for _ in range(300)],
+    }
+    totals = {}
+    for fast in (True, False):
+        monkeypatch.setattr(containers, "FAST_MIN", 256 if fast else 10**9)
+        containers.forget()
+        reg = LiveStorages()
+        scan = attribution.scan_namespace(structures, reg)
+        found: dict[str, int] = {}
+        for key, entry in reg.entries():
+            cat, label = scan.category(key)
+            root = label.split("[")[0]
+            found[root] = found.get(root, 0) + entry.size
+        totals[fast] = found
+    assert totals[True] == totals[False]
+    assert totals[True]["deep"] == 300 * 5 * F32 and "deeper" not in totals[True]
+    assert totals[True]["shared"] == 3 * F32
+
+
+def test_a_scan_bound_no_longer_drops_a_big_containers_tensors(shell, monkeypatch):
+    monkeypatch.setattr(attribution, "MAX_OBJECTS", 1000)
+    run_ok(shell, "import torch, types\nbig = {i: torch.ones(4) for i in range(5000)}\n"
+                  "objs = [types.SimpleNamespace(t=torch.ones(2)) for _ in range(3000)]")
+    r = measure(shell)
+    assert r.before.details("other")["big"] == 5000 * 4 * F32
+    notes = " ".join(r.notes)
+    assert "did not look into objs" in notes and "big" not in notes  # what the bound leaves out is named
+
+
+def test_legacy_kv_caches_in_a_big_list_stay_kv_caches(shell):
+    run_ok(shell, "import torch\ncaches = [tuple((torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4)) for _ in range(2))"
+                  " for _ in range(300)]")
+    r = measure(shell)
+    assert r.before["kv_cache"] == 300 * 2 * 2 * 24 * F32 and r.before.other == 0
+
+
+def test_no_user_tensor_is_kept_alive_by_what_the_scan_remembers(shell):
+    run_ok(shell, "import torch, weakref\nxs = [torch.ones(16) for _ in range(300)]\nref = weakref.ref(xs[0])\n"
+                  "ys = [(torch.ones(2), 1) for _ in range(300)]\nref2 = weakref.ref(ys[0][0])")
+    measure(shell)
+    run_ok(shell, "del xs, ys")
+    gc.collect()
+    assert shell.user_ns["ref"]() is None and shell.user_ns["ref2"]() is None
+    assert measure(shell).before.total == 0
+
+
+def test_the_remembered_containers_of_a_namespace_are_forgotten_when_it_drops_them():
+    reg = LiveStorages()
+    ns = {"xs": [torch.ones(2) for _ in range(300)], "paths": [str(i) for i in range(1000)]}
+    attribution.scan_namespace(ns, reg)
+    held = {id(ns["xs"]), id(ns["paths"])}
+    assert held <= set(containers._cache)
+    del ns["paths"]
+    attribution.scan_namespace(ns, reg)
+    assert id(ns["xs"]) in containers._cache and len(held & set(containers._cache)) == 1
+
+
+def test_a_cleared_registry_is_read_again():
+    reg = LiveStorages()
+    ns = {"xs": [torch.ones(2) for _ in range(300)]}
+    attribution.scan_namespace(ns, reg)
+    reg.clear()
+    scan = attribution.scan_namespace(ns, reg)
+    assert sum(e.size for k, e in reg.entries() if scan.category(k) == ("other", "xs")) == 300 * 2 * F32
+
+
+# --- a module's plain tensor attributes -----------------------------------------------------------------------
+MODEL = """
+import torch
+class Scaled(torch.nn.Module):
+    def __init__(self, grad):
+        super().__init__()
+        self.scale = torch.ones(9, requires_grad=grad)  # a plain attribute: not a Parameter, not a buffer
+    def forward(self, x):
+        return x * self.scale
+model = Scaled({grad})
+x = torch.ones(9)
+"""
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_plain_tensor_attribute_of_a_module_is_other_from_the_start(shell, grad):
+    run_ok(shell, MODEL.format(grad=grad))
+    r = measure(shell)
+    assert r.before.details("other") == {"model.scale": 9 * F32, "x": 9 * F32}
+    assert r.before.parameters == 0
+    r = measure(shell, "y = model(x)")
+    assert r.after.parameters == 0 and r.peak.parameters == 0
+    held = {"model.scale": 9 * F32, "x": 9 * F32}
+    if grad:  # y holds a graph (which saves x, already counted): an activation
+        assert r.after.details("other") == held and r.after.details("activations") == {"y": 9 * F32}
+    else:
+        assert r.after.details("other") == {**held, "y": 9 * F32} and r.after.activations == 0
+
+
+def test_a_graph_leaf_only_the_graph_holds_is_other_unless_a_parameter(shell):
+    run_ok(shell, "import torch\nw = torch.nn.Parameter(torch.ones(5))\n")
+    r = measure(shell, "y = torch.ones(3, requires_grad=True) * torch.ones(3)\nz = (w * 2).sum()\ndel w")
+    assert r.after.parameters == 5 * F32  # a Parameter whose only holder left is the graph: still a parameter
+    assert r.after.details("parameters") == {"held by the graph of z": 5 * F32}
+    assert r.after.details("other")["held by the graph of y"] == 3 * F32
