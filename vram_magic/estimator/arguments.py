@@ -56,6 +56,12 @@ OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--max-batch",), {"action": "store_true", "help": "search the largest batch that fits --gpu/--budget"}),
     (("--max-seq",), {"action": "store_true", "help": "search the longest sequence (input dimension 1) that fits"}),
     (("--what-if",), {"action": "store_true", "help": "add the what-if table of strategies"}),
+    # text generation (generate_estimate.py)
+    (("--generate",), {"type": int, "metavar": "N", "help": "the peak of model.generate(input_ids, max_new_tokens=N) "
+                       "instead of a step; --max-seq then finds the longest prompt, --max-batch the largest batch"}),
+    (("--cache",), {"metavar": "NAME", "help": "with --generate: the cache_implementation (static, offloaded, "
+                    "quantized, ... as the installed transformers names them; default: the model's own)"}),
+    (("--beams",), {"type": int, "default": 1, "metavar": "K", "help": "with --generate: beam search with K beams"}),
 ]
 
 _REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -182,6 +188,10 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     )
     if args.loss:
         kwargs["loss_fn"] = evaluate(args.loss, ns, "--loss")
+    if getattr(args, "generate", None) is not None or getattr(args, "cache", None) or getattr(args, "beams", 1) != 1:
+        kwargs.update(generate=args.generate, cache_implementation=args.cache, num_beams=args.beams)
+        for option in ("optimizer", "inference"):  # a training step's options: generate= is inference
+            kwargs.pop(option)
     return model, inputs, kwargs
 
 
@@ -192,6 +202,10 @@ def estimate_with_batch(model: Any, inputs: Any, batch: int, kwargs: dict[str, A
     from . import estimate
     from .core import evaluate
 
+    if kwargs.get("generate") is not None:  # generate= (generate_estimate.py)
+        from .generate_estimate import generate_with_batch
+
+        return generate_with_batch(model, inputs, batch, kwargs)
     first = estimate(model, inputs, **{**kwargs, "what_if": False, "max_batch": False, "max_seq": False})
     request, target = first.rerun
     opts = first.options.with_(batch=batch)

@@ -63,4 +63,13 @@ def _as_json(est: Any) -> dict[str, Any]:
         "flops": dict(est.flops), "partial": est.partial, "problem": est.problem,
         "what_if": [{"strategy": s.name, "peak": s.peak, "needed": s.needed, "compute": s.compute}
                     for s in est.strategies],
+        "generation": _generation(est),
     }
+
+
+def _generation(est: Any) -> dict[str, Any] | None:
+    """generate= estimates: the cache per token, the phases (generate_facts.Generation) as plain numbers."""
+    import dataclasses
+
+    g = getattr(est, "generation", None)
+    return dataclasses.asdict(g) if g is not None else None

@@ -146,6 +146,8 @@ def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensor
 
     model, notes = _fake_model(request, opts, mode)
     kind = model_kind(model)
+    if spec.last_logits_only:
+        _last_position_logits(model, notes)
     inputs, batch, seq = _inputs(request, opts, mode)
     registry = LiveStorages()
     owner: dict[int, tuple[str, str]] = {}
@@ -169,7 +171,7 @@ def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensor
     names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
     tracer = GenerateTracer(registry, names, cuda)
     learnt = Learnt(tracer, registry, spec)
-    plan = Plan(spec.new_tokens, on_event=learnt.event)
+    plan = Plan(spec.new_tokens, on_event=learnt.event, cuda=cuda is not None)
     learnt.plan = plan
     amp = torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else _null()
     problem = None
@@ -201,12 +203,33 @@ def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensor
     return trace, facts
 
 
+def _last_position_logits(model: Any, notes: list[str]) -> None:
+    """What-if: the output head computes the last position's logits only (what ``logits_to_keep=1`` does)."""
+    from .quantize import output_head
+
+    head = output_head(model)
+    if head is None:
+        raise ValueError("the model's output head (its get_output_embeddings(), or a last linear layer as wide as "
+                         "the vocabulary) was not found: logits_to_keep cannot be modelled")
+
+    def last(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = args[0]
+        return (x[:, -1:, :], *args[1:]) if isinstance(x, torch.Tensor) and x.dim() == 3 else args
+
+    head.register_forward_pre_hook(last)
+    notes.append("what-if: the output head computes the last position's logits only (logits_to_keep=1)")
+
+
 def _hf_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: Plan) -> Any:
     kwargs: dict[str, Any] = dict(max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens,
                                   do_sample=spec.do_sample, num_beams=spec.num_beams, custom_generate=decoding(plan))
     if spec.do_sample:
         kwargs.update(top_k=0, top_p=1.0, temperature=1.0)
-    if spec.cache_implementation is not None:
+    if spec.cache_implementation == "quantized":  # optimum-quanto's layout, modelled (generate_variants.py)
+        from .generate_variants import quantized_cache
+
+        kwargs["cache"] = quantized_cache(model.config, spec.cache_bits)
+    elif spec.cache_implementation is not None:
         kwargs["cache_implementation"] = spec.cache_implementation
     if isinstance(inputs, Mapping):
         return model.generate(**inputs, **kwargs)
@@ -282,6 +305,9 @@ class Learnt:
             self.walk(obj)
             if what == "prefill_end":
                 self.marks.setdefault("decode_start", n)
+                from .generate_variants import remember_prompt
+
+                remember_prompt(self.cache)
                 plan = self.plan
                 if plan is not None and plan.jump and not self.cache_name:
                     plan.jump = self.cache is not None and can_jump(self.cache)

@@ -180,13 +180,31 @@ def estimate_generate(model: Any, inputs: Any, opts: Options, target: Target, *,
     est = evaluate_generate(request, opts, spec, target)
     est = replace(est, rerun=(request, target), options=opts)
     if max_seq or max_batch:
-        from .generate_search import largest_batch, longest_prompt
+        from .generate_search import with_search
 
-        if max_seq:
-            est = replace(est, max_seq=longest_prompt(est, progress=progress))
-        if max_batch:
-            est = replace(est, max_batch=largest_batch(est, progress=progress))
+        est = with_search(est, max_seq=max_seq, max_batch=max_batch, progress=progress)
     if what_if:
+        from .generate_whatif import generate_what_if
+
+        est = replace(est, strategies=tuple(generate_what_if(est)))
+    return est
+
+
+def generate_with_batch(model: Any, inputs: Any, batch: int, kwargs: dict[str, Any]) -> Estimate:
+    """``--input`` with ``--batch`` and ``--generate``: the inputs' batch dimension resized before the run."""
+    from . import estimate
+
+    first = estimate(model, inputs, **{**kwargs, "what_if": False, "max_batch": False, "max_seq": False})
+    request, target = first.rerun
+    opts = first.options.with_(batch=batch)  # type: ignore[union-attr]
+    est = evaluate_generate(request, opts, spec_of(first), target)
+    est = replace(est, rerun=(request, target), options=opts)
+    if kwargs.get("max_seq") or kwargs.get("max_batch"):
+        from .generate_search import with_search
+
+        est = with_search(est, max_seq=bool(kwargs.get("max_seq")), max_batch=bool(kwargs.get("max_batch")),
+                          progress=kwargs.get("progress"))
+    if kwargs.get("what_if"):
         from .generate_whatif import generate_what_if
 
         est = replace(est, strategies=tuple(generate_what_if(est)))

@@ -15,6 +15,8 @@ class GenerateSpec:
     cache_implementation: str | None = None
     num_beams: int = 1
     do_sample: bool = False
+    cache_bits: int = 4  # a quantized cache's bits (2 or 4)
+    last_logits_only: bool = False  # what-if: the output head computes the last position only
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ class Plan:
 
     new_tokens: int
     on_event: Callable[[str, Any], None] = lambda what, cache: None
+    cuda: bool = False  # a GPU is modelled (an offloading cache moves layers to the host)
     jump: bool = True
     jump_at: int = 0  # the step after which the loop jumps to the last (its bookkeeping is the last step's)
     jumped: int = 0  # tokens the jump skipped (0: every step ran)
@@ -75,12 +76,27 @@ def decoding(plan: Plan) -> Callable[..., Any]:
     def decode(model: Any, input_ids: torch.Tensor, logits_processor: Any = None, stopping_criteria: Any = None,
                generation_config: Any = None, synced_gpus: bool = False, streamer: Any = None,
                **model_kwargs: Any) -> torch.Tensor:
+        prepare_cache(cache_of(model_kwargs), plan)
         if generation_config.num_beams > 1:
             return beam_search(model, input_ids, logits_processor, stopping_criteria, generation_config, plan,
                                model_kwargs)
         return sample(model, input_ids, logits_processor, stopping_criteria, generation_config, plan, model_kwargs)
 
     return decode
+
+
+def prepare_cache(cache: Any, plan: Plan) -> None:
+    """An offloading cache: on a modelled GPU its layers go to the host between uses (``generate_variants``);
+    on the CPU there is nowhere to offload to."""
+    inner = getattr(cache, "self_attention_cache", cache)
+    if not getattr(inner, "offloading", False):
+        return
+    if not plan.cuda:
+        raise ValueError("an offloaded cache moves the cache from the GPU to the host: it needs device='cuda' (on "
+                         "the CPU there is nowhere to offload to, and transformers' offloading needs CUDA)")
+    from .generate_variants import model_offloading
+
+    model_offloading(cache)
 
 
 def sample(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
@@ -295,8 +311,12 @@ def grow_cache(cache: Any, tokens: int) -> None:
 def _grower(layer: Any) -> Callable[[Any, int], None]:
     from transformers import cache_utils as cu
 
+    from .generate_variants import grow_quantized, is_modelled_quantized
+
     if type(layer).__name__ == "DummyLayer":
         return _nothing
+    if is_modelled_quantized(layer):
+        return grow_quantized
     if getattr(cu, "BaseQuantizedLayer", None) is not None and isinstance(layer, cu.BaseQuantizedLayer):
         raise NoJump("quantized layers")
     if getattr(cu, "DynamicIndexedLayer", None) is not None and isinstance(layer, cu.DynamicIndexedLayer):
@@ -332,13 +352,15 @@ def _dynamic(layer: Any, tokens: int) -> None:
     """DynamicLayer: ``keys``/``values`` are ``torch.cat``'s outputs, one token longer each step."""
     if not layer.is_initialized or layer.keys is None or layer.keys.dim() != 4:
         return
+    from .generate_variants import host_like, is_host
+
     for name in ("keys", "values"):
         old = getattr(layer, name)
-        shape, dtype = list(old.shape), old.dtype
+        shape, dtype, host = list(old.shape), old.dtype, is_host(old)
         setattr(layer, name, None)
         del old
         shape[-2] += tokens
-        setattr(layer, name, torch.empty(shape, dtype=dtype))
+        setattr(layer, name, host_like(shape, dtype) if host else torch.empty(shape, dtype=dtype))
 
 
 def _dynamic_sliding(layer: Any, tokens: int) -> None:

@@ -92,9 +92,13 @@ def estimate_text(est: Estimate) -> str:
     if est.flops:
         fwd, bwd = _flops(est.flops["forward"]), _flops(est.flops["backward"])
         lines.append(f"  compute per optimizer step: {_flops(est.total_flops)} (forward {fwd}, backward {bwd})")
-    if est.max_batch is not None:
+    if est.generation is not None:  # generate= (generate_render.py)
+        from .generate_render import generation_lines
+
+        lines.extend(f"  {line}" for line in generation_lines(est))
+    elif est.max_batch is not None:
         lines.append(f"  largest batch that fits: {est.max_batch}")
-    if est.max_seq is not None:
+    if est.max_seq is not None and est.generation is None:
         lines.append(f"  longest sequence that fits: {est.max_seq}")
     if est.strategies:
         lines.append(strategies_text(est.strategies))
@@ -155,9 +159,13 @@ def estimate_html(est: Estimate) -> str:
     if est.flops:
         notes.append(f"<div>compute per optimizer step: {_flops(est.total_flops)} (forward "
                      f"{_flops(est.flops['forward'])}, backward {_flops(est.flops['backward'])})</div>")
-    if est.max_batch is not None:
+    if est.generation is not None:  # generate= (generate_render.py)
+        from .generate_render import generation_html
+
+        notes.append(generation_html(est))
+    elif est.max_batch is not None:
         notes.append(f"<div><b>largest batch that fits: {est.max_batch}</b></div>")
-    if est.max_seq is not None:
+    if est.max_seq is not None and est.generation is None:
         notes.append(f"<div><b>longest sequence that fits: {est.max_seq}</b></div>")
     parts.append(f'<div class="vram-notes" style="{SMALL}">{"".join(notes)}</div>')
     if est.strategies:
