@@ -54,29 +54,33 @@ class Lab:
     def close(self, session_id):
         self.run(self.fetch("api", "sessions", session_id, method="DELETE"))
 
-    def execute(self, kernel_id, code, timeout=120):
-        """Run ``code`` in the kernel (as a user's cell); returns its text/plain result or stdout."""
+    def execute(self, kernel_id, code, expression=None, timeout=120):
+        """Run ``code`` in the kernel (as a user's cell); returns ``expression`` evaluated after it (text/plain),
+        read from the shell channel's reply (IOPub is not listened to: no output can be missed)."""
         client = self.clients.get(kernel_id)
         if client is None:
+            from jupyter_client.session import Session
+
             km = self.app.kernel_manager.get_kernel(kernel_id)
-            client = self.clients[kernel_id] = km.client()
-            client.start_channels()
-            self.run(client.wait_for_ready(timeout=timeout), timeout)
-        out = []
+            # its own Session (so its own zmq identity), as a second front end would have
+            client = self.clients[kernel_id] = km.client(session=Session(key=km.session.key))
+            client.start_channels(iopub=False, stdin=False, hb=False, control=False)
+        expressions = {"r": expression} if expression else {}
+        msg_id = client.execute(code, user_expressions=expressions, allow_stdin=False)
 
-        def hook(msg):
-            c = msg["content"]
-            if msg["msg_type"] == "stream":
-                out.append(c["text"])
-            elif msg["msg_type"] in ("execute_result", "display_data"):
-                out.append(c["data"].get("text/plain", ""))
-            elif msg["msg_type"] == "error":
-                out.append("\n".join(c["traceback"]))
+        async def reply():
+            while True:
+                msg = await client.get_shell_msg(timeout=timeout)
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    return msg["content"]
 
-        reply = self.run(client.execute_interactive(code, output_hook=hook, timeout=timeout), timeout + 5)
-        text = "".join(out)
-        assert reply["content"]["status"] == "ok", text
-        return text
+        content = self.run(reply(), timeout + 5)
+        assert content["status"] == "ok", f"{content.get('ename')}: {content.get('evalue')}"
+        if expression:
+            r = content["user_expressions"]["r"]
+            assert r["status"] == "ok", f"{r.get('ename')}: {r.get('evalue')}"
+            return r["data"]["text/plain"]
+        return None
 
     def wait(self, predicate, timeout=30):
         """The route's JSON once ``predicate(data)`` holds (polled every 0.2 s)."""

@@ -26,8 +26,13 @@ class KernelPid:
 
 async def usage_request(kernel_manager: Any, timeout: float) -> dict[str, Any]:
     """Send one ``usage_request`` on the kernel's control channel and return the reply's content."""
-    client = kernel_manager.client()
-    client.session.key = kernel_manager.session.key
+    from jupyter_client.session import Session
+
+    # a Session of its own: the manager's would give this client's sockets the same zmq identity as every other
+    # client of the kernel in this process (the server's own), and the kernel's replies to them get lost
+    own = kernel_manager.session
+    client = kernel_manager.client(session=Session(key=own.key, signature_scheme=own.signature_scheme,
+                                                   username=own.username))
     client.start_channels(shell=False, iopub=False, stdin=False, hb=False, control=True)
     try:
         msg = client.session.msg("usage_request", {})
