@@ -134,6 +134,14 @@ def test_a_scan_bound_no_longer_drops_a_big_containers_tensors(shell, monkeypatc
     assert "did not look into objs" in notes and "big" not in notes  # what the bound leaves out is named
 
 
+def test_a_long_list_of_paths_no_longer_hides_the_tensors_after_it(shell):
+    # the bound counted every item read: 250,000 paths used it up, and the dict after them went uncounted
+    run_ok(shell, "import torch\npaths = [f'/data/{i:07d}.jpg' for i in range(250_000)]\n"
+                  "weights = {f'w{i}': torch.ones(64) for i in range(1000)}")
+    r = measure(shell)
+    assert r.before.details("other") == {"weights": 1000 * 64 * F32} and r.notes == ()
+
+
 def test_legacy_kv_caches_in_a_big_list_stay_kv_caches(shell):
     run_ok(shell, "import torch\ncaches = [tuple((torch.ones(1, 2, 3, 4), torch.ones(1, 2, 3, 4)) for _ in range(2))"
                   " for _ in range(300)]")

@@ -200,7 +200,7 @@ class Measurement:
         owner: dict[int, tuple[str, str]] = {}
         initial: dict[int, int] = {}
         category = scan.owner.get
-        for key, entry in self.registry.entries(self.device):
+        for key, entry in self.registry.live(self.device):
             cat = category(key, UNATTRIBUTED)
             size = entry.size
             rows[cat] = rows.get(cat, 0) + size
@@ -231,7 +231,7 @@ class Measurement:
     def _addresses(self, initial: Mapping[int, int]) -> dict[int, tuple[int, int]]:
         """serial → (address, size) of the storages alive at the start (the allocator reports addresses)."""
         out: dict[int, tuple[int, int]] = {}
-        for _, entry in self.registry.entries(self.device):
+        for _, entry in self.registry.live(self.device):
             storage = entry()
             if storage is None or entry.serial not in initial:
                 continue
@@ -357,7 +357,7 @@ class Measurement:
         (``torch.from_numpy``, compiled kernels) are counted as allocated at the end of the block."""
         allocs, initial, late = tracker.allocs, tracker.initial, tracker.late
         alive: dict[int, int] = {}
-        for key, entry in self.registry.entries(self.device):
+        for key, entry in self.registry.live(self.device):
             serial = entry.serial
             alive[serial] = key
             if serial not in initial and serial not in allocs and serial not in late:
@@ -370,7 +370,7 @@ class Measurement:
         by_addr: dict[int, tuple[int, Any]] = {}
         alive: dict[int, int] = {}
         freed = {-ev for ev in rep.events if ev < 0}
-        for key, entry in self.registry.entries(self.device):
+        for key, entry in self.registry.live(self.device):
             if entry.serial in rep.initial:
                 if entry.serial not in freed:
                     alive[entry.serial] = key
@@ -405,7 +405,7 @@ class Measurement:
 
     def _rows(self, scan: Scan, allocs: Mapping[int, tuple[Any, ...]]) -> dict[tuple[str, str], int]:
         rows: dict[tuple[str, str], int] = {}
-        for key, entry in self.registry.entries(self.device):
+        for key, entry in self.registry.live(self.device):
             alloc = allocs.get(entry.serial)
             owner = scan.owner.get(key)
             cat = owner if owner is not None else PHASE_CATEGORY[alloc[1]] if alloc is not None else UNATTRIBUTED

@@ -52,7 +52,7 @@ def snapshot(device: str, namespace: Mapping[str, Any] | None,
     scan's notes."""
     scan = scan_namespace(namespace, registry)
     rows: dict[tuple[str, str], int] = {}
-    for key, entry in registry.entries(device):
+    for key, entry in registry.live(device):
         cat = scan.category(key)
         rows[cat] = rows.get(cat, 0) + entry.size
     now = Breakdown.from_rows(rows)

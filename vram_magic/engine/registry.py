@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import compress
+from operator import attrgetter
 from typing import Any
 
 
@@ -22,6 +24,9 @@ class Entry(weakref.ref):
     size: int
     device: str
     ptr: int  # the address, for storages registered by add() (0 for the tracker's own)
+
+
+_DEVICE = attrgetter("device")
 
 
 def storage_size(storage: Any, device: str) -> int:
@@ -110,6 +115,19 @@ class LiveStorages:
         if device is None:
             return list(self._entries.items())
         return [kv for kv in list(self._entries.items()) if kv[1].device == device]
+
+    def live(self, device: str | None = None) -> Iterator[tuple[int, Entry]]:
+        """``(key, entry)`` of the live storages (of one device), as :meth:`entries` gives them but without a
+        tuple per storage: with a hundred thousand storages alive, those tuples set off the collector's full
+        passes. Safe to iterate while frees remove entries (it reads a copy)."""
+        snap = self._entries.copy()  # one C call: no callback can run while the entries are read
+        keys, entries = list(snap), list(snap.values())
+        if device is not None:
+            devices = list(map(_DEVICE, entries))
+            if devices.count(device) != len(devices):
+                keep = list(map(device.__eq__, devices))
+                keys, entries = list(compress(keys, keep)), list(compress(entries, keep))
+        return zip(keys, entries)
 
     def clear(self) -> None:
         """Forget everything (the weakrefs die with their entries, so no callback fires later)."""
