@@ -214,3 +214,22 @@ def test_a_graph_leaf_only_the_graph_holds_is_other_unless_a_parameter(shell):
     assert r.after.parameters == 5 * F32  # a Parameter whose only holder left is the graph: still a parameter
     assert r.after.details("parameters") == {"held by the graph of z": 5 * F32}
     assert r.after.details("other")["held by the graph of y"] == 3 * F32
+
+
+def test_what_was_read_for_a_registry_goes_with_it():
+    reg = LiveStorages()
+    ns = {"paths": [str(i) for i in range(1000)]}
+    attribution.scan_namespace(ns, reg)
+    assert id(ns["paths"]) in containers._cache
+    del reg
+    gc.collect()
+    assert id(ns["paths"]) not in containers._cache
+
+
+def test_unloading_the_extension_forgets_the_containers_read(shell):
+    run_ok(shell, "paths = [str(i) for i in range(1000)]")
+    measure(shell)
+    assert id(shell.user_ns["paths"]) in containers._cache
+    run_ok(shell, "%unload_ext vram_magic")
+    assert id(shell.user_ns["paths"]) not in containers._cache
+    run_ok(shell, "%load_ext vram_magic")  # as the fixture expects to find it

@@ -164,5 +164,8 @@ class Session:
             except Exception:
                 pass
         self.history.clear()
+        from .engine.containers import forget
+
+        forget(self.registry)  # what the scans remembered of the namespace's big containers
         self.registry.clear()
         self.namespace = None

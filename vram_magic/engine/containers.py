@@ -205,9 +205,36 @@ _cache: dict[int, Found] = {}
 _stamps = itertools.count(1)
 
 
-def forget() -> None:
-    """Drop every remembered container (the extension's unload, tests)."""
-    _cache.clear()
+_watched: dict[int, Any] = {}  # id(registry) -> its finalizer: what was read for it goes with it
+
+
+def forget(registry: LiveStorages | None = None) -> None:
+    """Drop the containers remembered for ``registry`` (a session closing), or all of them."""
+    if registry is None:
+        _cache.clear()
+        return
+    for key, entry in list(_cache.items()):
+        if entry.registry() in (registry, None):
+            _cache.pop(key, None)
+
+
+def _forget_dead_registries() -> None:
+    for key, entry in list(_cache.items()):
+        if entry.registry() is None:
+            _cache.pop(key, None)
+
+
+def _watch(registry: LiveStorages) -> None:
+    """Forget the containers read for ``registry`` once it is gone (a session unloaded): the copies of plain
+    data would otherwise outlive every scan."""
+    key = id(registry)
+    if key not in _watched:
+        _watched[key] = weakref.finalize(registry, _gone, key)
+
+
+def _gone(key: int) -> None:
+    _watched.pop(key, None)
+    _forget_dead_registries()
 
 
 class FastReader:
@@ -235,6 +262,7 @@ class FastReader:
             return None
         entry.ns, entry.stamp = self.ns, self.stamp
         if len(_cache) < MAX_ENTRIES:
+            _watch(self.registry)
             _cache[key] = entry
         return entry
 
