@@ -55,6 +55,76 @@ def t5() -> nn.Module:
                                                    pad_token_id=0, eos_token_id=1))
 
 
+class TupleAttention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor] | None) -> Any:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=past is None)
+        return self.out(y.transpose(1, 2).reshape(b, t, d)), (k, v)
+
+
+class TupleGPT(nn.Module):
+    """A hand-written decoder: ``forward(input_ids, past_key_values=None) -> (logits, past_key_values)``, the cache
+    a tuple of ``(key, value)`` per layer, grown by ``torch.cat``."""
+
+    def __init__(self, vocab: int = 2000, d: int = 256, layers: int = 4, heads: int = 4, context: int = 1024) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.attn = nn.ModuleList(TupleAttention(d, heads) for _ in range(layers))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+                                 for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, past_key_values: Any = None) -> Any:
+        start = past_key_values[0][0].shape[2] if past_key_values is not None else 0
+        positions = torch.arange(start, start + input_ids.shape[1])
+        x = self.emb(input_ids) + self.pos(positions)
+        presents = []
+        for i, (attn, mlp) in enumerate(zip(self.attn, self.mlp)):
+            a, kv = attn(x, past_key_values[i] if past_key_values is not None else None)
+            x = x + a
+            x = x + mlp(x)
+            presents.append(kv)
+        return self.head(self.norm(x)), tuple(presents)
+
+
+def tuple_generate(model: nn.Module, ids: torch.Tensor, new: int) -> tuple[torch.Tensor, Any]:
+    """The greedy loop the estimate models for a hand-written decoder (see estimator/generate_manual.py)."""
+    logits, past = model(ids, past_key_values=None)
+    for step in range(new):
+        token = logits[:, -1, :].argmax(dim=-1, keepdim=True)
+        ids = torch.cat([ids, token], dim=-1)
+        if step == new - 1:
+            break
+        logits, past = model(token, past_key_values=past)
+    return ids, past
+
+
+def real_tuple_generate(batch: int = 2, prompt: int = 64, new: int = 16) -> Reference:
+    from torch.profiler import ProfilerActivity, profile
+
+    from vram_magic.engine.kv_cache import kv_cache_bytes
+
+    torch.manual_seed(0)
+    model = TupleGPT().eval()
+    ids = torch.randint(0, 2000, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    base = storage_bytes(*model.parameters(), *model.buffers(), ids)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        _, past = tuple_generate(model, ids, new)
+    return Reference(base + profiled_cpu_peak(prof), base, kv_cache_bytes(past, "past_key_values"))
+
+
 @dataclass(frozen=True)
 class Case:
     """One generate() call: the model, batch × prompt, new tokens and generate()'s own options."""
@@ -130,4 +200,5 @@ def estimate_case(case: Case, **kwargs: Any) -> Any:
                                num_beams=case.beams, **kwargs)
 
 
-__all__ = ["CASES", "Case", "Reference", "estimate_case", "real_generate"]
+__all__ = ["CASES", "Case", "Reference", "TupleGPT", "estimate_case", "real_generate", "real_tuple_generate",
+           "tuple_generate"]

@@ -70,28 +70,30 @@ def model_kind(model: Any) -> str:
     takes a cache argument), else ``ValueError`` saying what is needed."""
     from .generate_manual import cache_argument
 
+    name = type(model).__name__
+    config = getattr(model, "config", None)
     can = getattr(model, "can_generate", None)
-    if callable(can) and hasattr(model, "generate"):
+    if callable(can):  # a transformers model: its own generate() or none
         try:
-            able = bool(can())
+            able = bool(can()) and hasattr(model, "generate")
         except Exception:
             able = False
         if able:
             return "transformers"
-        config = getattr(model, "config", None)
-        name = type(model).__name__
         if config is not None and not getattr(config, "is_decoder", False) and not getattr(
                 config, "is_encoder_decoder", False):
-            raise ValueError(f"{name} is an encoder-only model: it cannot generate (transformers' can_generate() "
-                             "is False). generate= needs a causal language model (…ForCausalLM, …LMHeadModel), an "
+            raise ValueError(f"{name} is an encoder-only model: it cannot generate (transformers' can_generate() is "
+                             "False). generate= needs a causal language model (…ForCausalLM, …LMHeadModel), an "
                              "encoder-decoder (…ForConditionalGeneration), or a decoder whose forward takes and "
                              "returns a cache (past_key_values)")
+        raise ValueError(f"{name} cannot generate (transformers' can_generate() is False): generate= needs a model "
+                         "with a language-modelling head")
     if cache_argument(model) is not None:
         return "hand-written"
-    raise ValueError(f"{type(model).__name__} has no generate() and its forward takes no cache: generate= needs a "
-                     "transformers model that can generate, or a decoder whose forward(input_ids, past_key_values=...) "
-                     "(or past=, layer_past=, cache=, kv_cache=) returns the logits and the new cache, as (logits, "
-                     "cache) or an object with .logits and .past_key_values")
+    raise ValueError(f"{name} has no generate() and its forward takes no cache: generate= needs a transformers model "
+                     "that can generate, or a decoder whose forward(input_ids, past_key_values=...) (or past=, "
+                     "layer_past=, cache=, kv_cache=) returns the logits and the new cache, as (logits, cache) or an "
+                     "object with .logits and .past_key_values")
 
 
 def trace_generate(request: Request, opts: Options, spec: GenerateSpec, *, cuda: Any = None

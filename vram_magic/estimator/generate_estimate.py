@@ -90,23 +90,29 @@ def _label_cache(trace: StepTrace, facts: dict[str, Any], first: Estimate) -> No
             trace.owner[s] = (KV, what)
 
 
-def _phase_peaks(trace: StepTrace) -> tuple[int, int]:
+def _phase_peaks(trace: StepTrace) -> tuple[int, int, int]:
+    """Traced bytes (CPU sizes) at the prefill's peak and at the decoding steps' (the jump left out), and the step
+    the highest of them falls in (0: the prefill and what the loop does with its logits)."""
     sizes, marks = trace.sizes, trace.marks
     current = sum(sizes[s] for s in trace.initial)
     decode = marks.get("decode_start", len(trace.events))
     j0, j1 = marks.get("jump_start", -1), marks.get("jump_end", -1)
-    pre = dec = 0
+    pre, dec, best, at = current, 0, current, 0
     for i, ev in enumerate(trace.events, 1):
         current += sizes[ev] if ev > 0 else -sizes[-ev]
         if i <= decode:
             pre = max(pre, current)
         elif not j0 < i <= j1:
             dec = max(dec, current)
-    return max(pre, sum(sizes[s] for s in trace.initial)), dec
+        if current > best and not j0 < i <= j1:
+            best, at = current, i
+    starts = sorted((v, int(k[4:])) for k, v in marks.items() if k.startswith("step") and k[4:].isdigit())
+    step = max((n for v, n in starts if v < at), default=0)
+    return pre, dec, step
 
 
 def _generation(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec) -> Generation:
-    pre, dec = _phase_peaks(trace)
+    pre, dec, step = _phase_peaks(trace)
     rows = facts["batch"] * spec.num_beams
     per_token = facts["per_token"]
     fp, fd = facts["flops"]
@@ -116,7 +122,8 @@ def _generation(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec) -> 
         do_sample=spec.do_sample,
         layers=facts["layers"], kv_cache=facts["kv_final"], kv_per_token=per_token,
         kv_per_token_per_sequence=per_token // rows if rows else per_token, kv_fixed=facts["fixed"],
-        prefill_peak=pre, decode_peak=dec, logits_to_keep=facts["logits_to_keep"], steps_run=facts["steps"],
+        prefill_peak=pre, decode_peak=dec, peak_step=step, logits_to_keep=facts["logits_to_keep"],
+        steps_run=facts["steps"],
         jumped=facts["jumped"], encoder_length=facts["encoder_length"], flops_prefill=fp, flops_decode=fd,
         sdpa=tuple(sorted(dict(facts.get("kernels", {})).items())))
 

@@ -41,7 +41,8 @@ class Generation:
     kv_per_token_per_sequence: int
     kv_fixed: int = 0
     prefill_peak: int = 0  # traced bytes (CPU sizes) at the prefill's peak
-    decode_peak: int = 0  # ... and at the last decoding step's
+    decode_peak: int = 0  # ... and at the decoding steps' (the highest of the steps run)
+    peak_step: int = 0  # the step the peak falls in (0: the prefill and what the loop does with its logits)
     logits_to_keep: bool | None = None  # generate() passed logits_to_keep=1 (None: not a transformers model)
     steps_run: tuple[int, ...] = ()
     jumped: int = 0  # decoding steps skipped by advancing the cache (the steps between are alike)
@@ -59,7 +60,7 @@ class Generation:
 
     @property
     def peak_phase(self) -> str:
-        return "prefill" if self.prefill_peak >= self.decode_peak else f"decoding step {self.new_tokens - 1}"
+        return "prefill" if self.peak_step == 0 else f"decoding step {self.peak_step}"
 
     @property
     def total_flops(self) -> int:

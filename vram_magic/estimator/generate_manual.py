@@ -10,9 +10,10 @@ The convention: ``forward(input_ids, past_key_values=None)`` (or ``past=``, ``la
         ids = torch.cat([ids, token], dim=-1)
         logits, past = model(token, past_key_values=past)    # one token, the cache passed back
 
-(the last token comes from the last logits). As for transformers models, the prefill and the first step
-run, then the cache (each tensor grown along the dimension that grew by one token from the prefill to
-the first step) is advanced to the start of the last step, which runs at the longest cache.
+(the last token comes from the last logits; each step's logits live until the next step's replace them). As
+for transformers models, the prefill and the first step run, then the cache (each tensor grown along the
+dimension that grew by one token from the prefill to the first step) is advanced to the start of the last
+step, which runs at the longest cache.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def manual_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: Plan, lea
     plan.on_event("prefill_start", None)
     out = model(ids, **{name: None}, **flags, **extra)
     logits, past = split_output(out, name)
+    del out
     plan.on_event("prefill_end", past)
     before = [torch.Size(t.shape) for t in _tensors(past)]
     dims: list[int | None] = []
@@ -149,15 +151,14 @@ def manual_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: Plan, lea
         plan.on_event("step", step)
         if step > 0:
             out = model(token, **{name: past}, **flags)  # noqa: F821 (set by the step before)
-            logits, past = split_output(out, name)
+            logits, past = split_output(out, name)  # the step before's logits lived until now, as in a loop
+            del out                                 # that writes `logits, past = model(token, past)`
             plan.on_event("decode_forward", past)
             if step == 1:
                 dims = growth_dims(before, past)
                 plan.jump = any(d is not None for d in dims)
-        next_logits = logits[:, -1, :]
-        token = next_logits.argmax(dim=-1, keepdim=True)
+        token = logits[:, -1, :].argmax(dim=-1, keepdim=True)
         ids = torch.cat([ids, token], dim=-1)
-        del out, logits, next_logits
         following = plan.next_step(step)
         if following is not None and following > step + 1:
             skip = following - step - 1

@@ -19,8 +19,8 @@ def generation_lines(est: Estimate) -> list[str]:
              f"{format_bytes(g.kv_per_token)} per token for {who}, {format_bytes(g.kv_per_token_per_sequence)} per "
              "token per sequence" + (f", {format_bytes(g.kv_fixed)} that does not grow (sliding windows, "
                                      "cross-attention)" if g.kv_fixed else "")]
-    lines.append(f"peak in the {g.peak_phase}: prefill {format_bytes(g.prefill_peak)}, last decoding step "
-                 f"{format_bytes(g.decode_peak)} (traced tensors)")
+    lines.append(f"peak in the {g.peak_phase}; traced peaks: prefill {format_bytes(g.prefill_peak)}, decoding "
+                 f"{format_bytes(g.decode_peak)}")
     if g.reserved_growth:
         lines.append(f"the cache growing a token at a time leaves {format_bytes(g.reserved_growth)} reserved above "
                      "allocated by the end (caching allocator replayed over every step)")

@@ -1,0 +1,146 @@
+"""estimate(..., generate=N) against real generate() runs on the CPU: tiny transformers models built from configs
+(no downloads) and a hand-written decoder, the profiler's peak of the real run beside the estimate's, the cache
+the real run ends with beside the estimate's, both worked out by hand from the shapes."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from generate_zoo import CASES, TupleGPT, estimate_case, real_generate, real_tuple_generate
+
+F32 = 4
+
+
+@functools.cache
+def real(name: str):
+    """One real run per case for the whole module (each is seconds under the profiler)."""
+    return real_generate(CASES[name])
+
+
+@functools.cache
+def estimated(name: str):
+    return estimate_case(CASES[name])
+
+
+def kv_by_hand(name: str) -> int:
+    """The cache generate() ends with: ``2 × layers × rows × kv heads × tokens × head dim × bytes`` per layer type,
+    tokens = prompt + new − 1 (sliding layers keep a window's worth: the last torch.cat's output, a view of
+    window − 1 of it, and an 8-byte window tensor; a static layer's 8-byte length tensor)."""
+    c = CASES[name]
+    rows, tokens = c.batch * c.beams, c.prompt + c.new - 1
+    per_token = {  # one layer, keys and values: rows × kv heads × head dim × 4 bytes × 2
+        "Llama (GQA)": 2 * rows * 2 * 32 * F32, "Llama, static cache": 2 * rows * 2 * 32 * F32,
+        "Llama, beam search × 3": 2 * rows * 2 * 32 * F32, "GPT-2 (MHA)": 2 * rows * 4 * 64 * F32,
+        "Mistral (sliding window 64)": 2 * rows * 2 * 32 * F32, "Gemma-2 (hybrid, window 64)": 2 * rows * 2 * 32 * F32,
+        "T5 (encoder-decoder)": 2 * rows * 4 * 64 * F32,
+        "Llama MHA, long prompt (cache dominates)": 2 * rows * 8 * 32 * F32,
+        "Llama MHA, long generation (peak at the last step)": 2 * rows * 8 * 64 * F32,
+    }[name]
+    if name.startswith("Mistral"):  # 4 sliding layers: a 64-token storage each, and the window tensor
+        return 4 * 64 * per_token + 4 * 8
+    if name.startswith("Gemma-2"):  # 2 sliding (64 tokens) + 2 full layers
+        return 2 * 64 * per_token + 2 * tokens * per_token + 2 * 8
+    if name.startswith("T5"):  # self-attention: the decoder's start token + new − 1; cross-attention: the prompt
+        return 4 * (1 + c.new - 1) * per_token + 4 * c.prompt * per_token
+    return 4 * tokens * per_token + (4 * 8 if "static" in name else 0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_generate_estimate_matches_the_real_run(name):
+    case = CASES[name]
+    est, ref = estimated(name), real(name)
+    gen = est.generation
+    assert ref.kv_cache == kv_by_hand(name)
+    assert abs(est.peak.total - ref.peak) <= 0.01 * ref.peak, (est.peak.total, ref.peak)
+    above, real_above = est.peak.total - ref.base, ref.peak - ref.base
+    assert abs(above - real_above) <= 0.05 * real_above, (above, real_above)
+    assert abs(gen.kv_cache - ref.kv_cache) <= 0.02 * ref.kv_cache, (gen.kv_cache, ref.kv_cache)
+    # at a prefill peak the cache holds what the layers run so far wrote (a sliding layer the whole prompt; T5's peak
+    # is in its encoder, before any cache): its final size is the last step's (test below)
+    assert est.peak["kv_cache"] <= est.peak.total
+    assert gen.new_tokens == case.new and gen.prompt == case.prompt and gen.batch == case.batch
+    assert gen.beams == case.beams
+    assert "generate() cannot run on fake tensors" in est.notes[0]
+
+
+def test_peak_at_the_last_step_holds_the_whole_cache():
+    """Where the last decoding step is the peak, the cache at the peak is the cache the real run ends with (one
+    layer's value tensor is still the one-token-shorter copy torch.cat replaces)."""
+    name = "Llama MHA, long generation (peak at the last step)"
+    est, ref = estimated(name), real(name)
+    assert est.generation.peak_step == CASES[name].new - 1
+    assert abs(est.peak["kv_cache"] - ref.kv_cache) <= 0.02 * ref.kv_cache
+    one_token_of_one_tensor = CASES[name].batch * 8 * 64 * F32
+    assert est.peak["kv_cache"] == ref.kv_cache - one_token_of_one_tensor
+    growth = est.peak.details("other")
+    assert any("KV-cache growth" in label for label in growth)
+
+
+def test_cache_bytes_per_token():
+    case = CASES["Llama (GQA)"]
+    gen = estimated("Llama (GQA)").generation
+    per_layer = 2 * 2 * 32 * F32  # keys and values, 2 kv heads × 32 dims × fp32, per sequence
+    assert gen.kv_per_token_per_sequence == 4 * per_layer
+    assert gen.kv_per_token == case.batch * 4 * per_layer
+    assert gen.kv_cache == gen.kv_per_token * (case.prompt + case.new - 1)
+    assert gen.layers == "4 × DynamicLayer" and gen.cache == "DynamicCache"
+    assert gen.logits_to_keep is True
+
+
+def test_sliding_layers_stop_growing():
+    gen = estimated("Gemma-2 (hybrid, window 64)").generation
+    per_layer = 2 * 2 * 2 * 32 * F32
+    assert gen.kv_per_token == 2 * per_layer  # the two full-attention layers
+    assert gen.kv_fixed == 2 * 64 * per_layer  # the two sliding layers: their window (keys and values)
+    assert "DynamicSlidingWindowLayer" in gen.layers
+
+
+def test_hand_written_decoder_with_a_tuple_cache():
+    torch.manual_seed(0)
+    model = TupleGPT().eval()
+    ids = torch.randint(0, 2000, (2, 64), generator=torch.Generator().manual_seed(0))
+    import vram_magic
+
+    est = vram_magic.estimate(model, ids, generate=16, device="cpu")
+    real = real_tuple_generate(2, 64, 16)
+    assert abs(est.peak.total - real.peak) <= 0.01 * real.peak, (est.peak.total, real.peak)
+    kv = 4 * 2 * 2 * 4 * (64 + 16 - 1) * 64 * F32  # layers × (k, v) × batch × heads × tokens × head dim × fp32
+    assert real.kv_cache == kv
+    assert est.generation.kv_cache == kv
+    assert est.generation.kind == "hand-written"
+    assert est.generation.kv_per_token == kv // (64 + 16 - 1)
+    assert "hand-written decoder" in est.notes[0]
+
+
+def test_one_new_token_is_the_prefill_alone():
+    case = CASES["Llama (GQA)"]
+    import vram_magic
+
+    est = vram_magic.estimate(case.build().eval(), case.ids(), generate=1, device="cpu")
+    assert est.generation.steps_run == (0,)
+    assert est.generation.kv_cache == case.batch * 4 * 2 * 2 * 32 * F32 * case.prompt
+
+
+@pytest.mark.cuda
+def test_generate_estimate_on_a_gpu():
+    """On a GPU: the real generate()'s max_memory_allocated above what was allocated before it, beside the
+    estimate's peak (device='cuda', the GPU named)."""
+    import vram_magic
+
+    case = CASES["Llama MHA, long generation (peak at the last step)"]
+    major, minor = torch.cuda.get_device_capability()
+    from vram_magic.estimator.gpus import GPU
+
+    gpu = GPU("this GPU", torch.cuda.get_device_properties(0).total_memory, "", 0.0, capability=(major, minor))
+    est = vram_magic.estimate(case.build().eval(), case.ids(), generate=case.new, device="cuda", gpu=gpu)
+    model = case.build().eval().cuda()
+    ids = case.ids().cuda()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model.generate(ids, max_new_tokens=case.new, min_new_tokens=case.new, do_sample=False)
+    peak = torch.cuda.max_memory_allocated()
+    assert before > 0
+    assert abs(est.peak.total - peak) <= 0.05 * peak, (est.peak.total, peak)
