@@ -164,6 +164,7 @@ class ModelSource:
         """A fake copy (or fake build) of the model, with floating weights in ``dtype`` when given, without its
         ``torch.compile`` wrappers; and which parts were compiled (see ``compiled.py``)."""
         from .compiled import compiled_parts, copy_plain, strip
+        from .scripted import has_scripted, replicate_scripted
 
         if self.builder is not None:
             old = torch.get_default_dtype()
@@ -193,6 +194,12 @@ class ModelSource:
             for t in list(model.parameters()) + list(model.buffers()):
                 if id(t) not in memo:
                     memo[id(t)] = _fake_like(t, dtype)
+        if has_scripted(model):  # TorchScript modules: replicas on the fake weights, never a C++ deep copy
+            def twin(t: torch.Tensor) -> torch.Tensor:
+                with mode:
+                    return _fake_like(t, dtype)
+
+            replicate_scripted(model, memo, twin)
         with FakeCopyMode(mode):
             fake = copy_plain(model, memo) if parts else copy.deepcopy(model, memo)
         _normalise(fake, mode, dtype)

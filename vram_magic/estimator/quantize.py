@@ -346,7 +346,7 @@ def stand_ins(model: nn.Module, mode: Any) -> dict[int, nn.Module]:
                 "linear layers at 1 byte per weight (docs/quantization.md); or measure the quantized model itself "
                 "with %%vram / vram_magic.measure()")
         module = str(cls.__module__)
-        weight = m.__dict__.get("_parameters", {}).get("weight")
+        weight = _own_weight(m)
         if module.startswith("bitsandbytes") and weight is not None and cls.__name__ in ("Linear4bit", "LinearNF4",
                                                                                           "LinearFP4", "Linear8bitLt"):
             out[id(m)] = _bnb_stand_in(m, weight, mode, shared)
@@ -358,6 +358,16 @@ def stand_ins(model: nn.Module, mode: Any) -> dict[int, nn.Module]:
 
 _OPS = {"Linear": "quantized::linear", "LSTM": "quantized::quantized_lstm", "GRU": "quantized::quantized_gru",
         "Embedding": "quantized::embedding_byte", "EmbeddingBag": "quantized::embedding_bag_byte"}
+
+
+def _own_weight(m: nn.Module) -> Any:
+    """The module's own ``weight`` parameter, read from its table without ``__getattr__`` (a TorchScript
+    module's table is a view of its C++ slots, not a dict)."""
+    table = m.__dict__.get("_parameters")
+    try:
+        return table["weight"] if table is not None and "weight" in table else None
+    except (KeyError, RuntimeError):
+        return None
 
 
 def _holds_packed(m: nn.Module) -> bool:

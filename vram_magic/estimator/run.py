@@ -24,6 +24,7 @@ from .frameworks import enable_checkpointing, estimating, not_tracing
 from .optimizers import is_fused, make_optimizer
 from .options import Options
 from .quantize import adapt, count_parameters, parameter_labels
+from .scripted import has_scripted
 from .tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
 
 
@@ -259,14 +260,17 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     marks: dict[str, int] = {}
     host_scalars: set[int] = set()
     n_micro = 1 if opts.inference else min(opts.accumulate, 2)
-    lazy = any(isinstance(p, nn.parameter.UninitializedParameter) for p in params)
+    # TorchScript's profiling executor runs a module's code as written first and an optimized graph (its own
+    # autodiff, other saved tensors) from the next call with the same input types on: real steps until then
+    scripted = has_scripted(model)
+    steps = max(opts.steps, 3) if scripted and opts.steps > 1 else opts.steps
     last_flops: list[int] = []
     problem = None
     amp = torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else contextlib.nullcontext()
     try:
         with mode, tracer, _compiled_step(bool(compiled), tracer), not_tracing():
-            for step in range(opts.steps):
-                last = step == opts.steps - 1
+            for step in range(steps):
+                last = step == steps - 1
                 if last:
                     marks["step_start"] = len(tracer.events)
                     last_flops = list(tracer.flops)
@@ -278,7 +282,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                         marks["forward_end"] = len(tracer.events)
                     del out
                     continue
-                if step == 0 and opts.steps > 1 and not lazy:
+                if step == 0 and steps > 1 and not scripted:
                     _first_step(updater, trainable, tracer, claim, host_scalars)
                     continue
                 for micro in range(n_micro):

@@ -1,0 +1,98 @@
+"""Model kinds a summary tool meets (torchinfo's test models): TorchScript modules, lazy modules, named-tuple
+inputs. Each is estimated, its parameter bytes checked by hand and its peak against the real CPU steps."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from zoo import real_peak
+
+import vram_magic
+
+TOLERANCE = 0.005  # the estimate's CPU target (docs/estimate.md)
+
+
+class Net(nn.Module):
+    """Two linear layers; ``a`` runs twice, as a TorchScript interpreter and autograd keep its results."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(256, 1024), nn.Linear(1024, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)) * torch.sigmoid(self.a(x)))
+
+
+NET_PARAMS = (256 * 1024 + 1024) + (1024 * 256 + 256)  # 525,568 parameters
+NET_BYTES = 4 * NET_PARAMS
+
+
+class WithScriptedChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.jit.script(Net())
+        self.head = nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x))
+
+
+def batch() -> torch.Tensor:
+    return torch.randn(512, 256, generator=torch.Generator().manual_seed(0))
+
+
+def _real(model: nn.Module, inputs, **kwargs) -> int:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return real_peak(lambda: model, lambda: inputs, **kwargs)
+
+
+def _close(est, real: int) -> None:
+    assert abs(est.peak.total - real) / real < TOLERANCE, (est.peak.total, real)
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_a_torchscript_model_is_estimated_and_left_as_it_was(how):
+    torch.manual_seed(0)
+    x = batch()
+    model = torch.jit.script(Net()) if how == "script" else torch.jit.trace(Net(), x)
+    weights = list(model.parameters())
+    before = model(x).detach()
+    est = vram_magic.estimate(model, x, device="cpu")
+    assert est.parameters == NET_PARAMS
+    assert est.peak["parameters"] == NET_BYTES
+    assert est.model_states == NET_BYTES * 4 + 4 * 4  # weights, gradients, AdamW's two moments, 4 step counters
+    # the user's module: the same real weights, no gradients, and its compiled code still runs as before
+    assert [p is q for p, q in zip(weights, model.parameters())] == [True] * 4
+    assert all(p.grad is None and not p.is_meta and type(p) is nn.Parameter for p in model.parameters())
+    assert torch.equal(model(x), before)
+    _close(est, _real(model, x))
+
+
+def test_a_model_with_a_scripted_child():
+    torch.manual_seed(0)
+    model, x = WithScriptedChild(), batch()
+    est = vram_magic.estimate(model, x, device="cpu")
+    assert est.parameters == NET_PARAMS + 256 * 64 + 64
+    assert est.peak["parameters"] == NET_BYTES + 4 * (256 * 64 + 64)
+    assert all(p.grad is None for p in model.parameters())
+    real = _real(model, x)
+    _close(est, real)
+    # TorchScript's optimized graph (its own autodiff) saves more than eager autograd does: the estimate runs the
+    # same executor, so it sees the difference
+    eager = WithScriptedChild()
+    eager.inner = Net()
+    eager_real = _real(eager, x)
+    eager_est = vram_magic.estimate(eager, x, device="cpu")
+    _close(eager_est, eager_real)
+    assert real - eager_real > 4 * 2**20
+    assert abs((est.peak.total - eager_est.peak.total) - (real - eager_real)) < 64 * 1024
+
+
+def test_a_frozen_torchscript_module_is_refused_with_what_to_do():
+    frozen = torch.jit.freeze(torch.jit.script(Net().eval()))
+    with pytest.raises(ValueError, match=r"frozen TorchScript module \(torch.jit.freeze\).*before torch.jit.freeze"):
+        vram_magic.estimate(frozen, batch(), device="cpu", inference=True)
