@@ -1,0 +1,205 @@
+"""estimate(..., generate=N) beyond the real-run comparisons: bad input, the longest prompt and the largest batch,
+the what-ifs, the caches modelled (quantized, offloaded), CUDA's attention kernels and the %vram_estimate flags."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import run
+from generate_zoo import CASES, TupleGPT, llama
+
+import vram_magic
+from vram_magic.estimator.generate_cuda import sdpa_kernel
+
+F32 = 4
+LONG = "Llama MHA, long generation (peak at the last step)"
+
+
+def small_llama():
+    torch.manual_seed(0)
+    return llama().eval()
+
+
+def ids(batch: int = 2, prompt: int = 64, vocab: int = 8000) -> torch.Tensor:
+    return torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(0))
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
+def test_generate_must_be_a_positive_whole_number(bad):
+    with pytest.raises(ValueError, match="number of new tokens, a whole number ≥ 1"):
+        vram_magic.estimate(small_llama(), ids(), generate=bad, device="cpu")
+
+
+def test_unknown_cache_lists_the_known_ones():
+    from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
+
+    with pytest.raises(ValueError) as err:
+        vram_magic.estimate(small_llama(), ids(), generate=4, cache_implementation="paged-ish", device="cpu")
+    text = str(err.value)
+    assert "unknown cache implementation 'paged-ish'" in text
+    for name in ALL_CACHE_IMPLEMENTATIONS:
+        assert name in text
+
+
+def test_encoder_only_model_cannot_generate():
+    from zoo import hf_bert
+
+    with pytest.raises(ValueError, match="BertForMaskedLM is an encoder-only model"):
+        vram_magic.estimate(hf_bert(), ids(vocab=8000), generate=4, device="cpu")
+
+
+def test_a_model_without_generate_or_cache_says_what_is_needed():
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 16), torch.nn.Linear(16, 100))
+    with pytest.raises(ValueError, match="has no generate\\(\\) and its forward takes no cache.*past_key_values"):
+        vram_magic.estimate(model, ids(vocab=100), generate=4, device="cpu")
+
+
+def test_search_needs_a_capacity_and_training_options_are_refused():
+    with pytest.raises(ValueError, match="need a capacity: give gpu="):
+        vram_magic.estimate(small_llama(), ids(), generate=4, max_seq=True, device="cpu")
+    with pytest.raises(ValueError, match="checkpointing applies to training"):
+        vram_magic.estimate(small_llama(), ids(), generate=4, checkpointing=True)
+    with pytest.raises(ValueError, match="apply to generate=N"):
+        vram_magic.estimate(small_llama(), ids(), num_beams=2)
+    with pytest.raises(ValueError, match="num_beams must be a whole number"):
+        vram_magic.estimate(small_llama(), ids(), generate=4, num_beams=0)
+
+
+def test_offloading_needs_a_gpu():
+    with pytest.raises(ValueError, match="needs device='cuda'"):
+        vram_magic.estimate(small_llama(), ids(), generate=4, cache_implementation="offloaded", device="cpu")
+
+
+def test_magic_flags_and_their_errors(shell):
+    run(shell, "import torch, generate_zoo\nmodel = generate_zoo.llama().eval()\n"
+               "ids = torch.randint(3, 8000, (2, 64))")
+    for line, words in [("--generate 0", "whole number ≥ 1"), ("--generate 4 --cache bogus", "the installed "
+                        "transformers knows: static"), ("--generate 4 --max-seq", "need a capacity")]:
+        result = run(shell, f"%vram_estimate model --input ids {line} --device cpu")
+        assert result.error_in_exec is not None and words in str(result.error_in_exec)
+    result = run(shell, "%vram_estimate model --input ids --generate 6 --beams 2 --batch 3 --device cpu -q -o est")
+    assert result.error_in_exec is None
+    est = shell.user_ns["est"]
+    assert (est.generation.batch, est.generation.beams, est.generation.new_tokens) == (3, 2, 6)
+    assert est.generation.kv_cache == 3 * 2 * 4 * 2 * 2 * (64 + 6 - 1) * 32 * F32
+    assert run(shell, "x = 1 + 1").error_in_exec is None  # the kernel is alive
+
+
+# --- the longest prompt, the largest batch ------------------------------------------------------------------
+def test_longest_prompt_and_largest_batch_are_self_consistent():
+    from vram_magic.estimator.generate_estimate import evaluate_generate, spec_of
+
+    model = small_llama()  # estimates hold the model weakly: keep it for the re-runs below
+    est = vram_magic.estimate(model, ids(), generate=8, device="cpu", budget="40MiB", max_seq=True, max_batch=True)
+    request, target = est.rerun
+    spec = spec_of(est)
+
+    def fits(**size: int) -> bool:
+        return bool(evaluate_generate(request, est.options.with_(**size), spec, target).fits)
+
+    assert est.max_seq and est.max_batch
+    assert fits(seq=est.max_seq) and not fits(seq=math.ceil(est.max_seq * 1.1))
+    assert fits(batch=est.max_batch) and not fits(batch=math.ceil(est.max_batch * 1.1))
+    assert f"longest prompt that fits with 8 new tokens: {est.max_seq}" in str(est)
+
+
+# --- what-ifs --------------------------------------------------------------------------------------------------
+def test_what_ifs_for_generation():
+    est = vram_magic.estimate(small_llama(), ids(), generate=8, device="cuda", gpu="T4", what_if=True)
+    rows = {r.name: r for r in est.strategies}
+    base = est.strategies[0]
+    assert base.name.startswith("baseline: generate 8 tokens")
+    for name in ("bf16 weights", "int8 weights", "nf4 weights", "static cache", "quantized cache (int4)",
+                 "quantized cache (int2)", "offloaded cache", "half the prompt", "half the batch"):
+        assert name in rows and rows[name].note, name
+    weights = est.peak["parameters"]
+    assert rows["bf16 weights"].peak <= base.peak - weights // 2 + 512 * 64  # half the fp32 weights (blocks rounded)
+    assert rows["half the batch"].steps == 2
+    assert rows["half the prompt"].compute < 1.0
+    frame = est.what_if()
+    assert "saving" in frame.columns and len(frame) == len(est.strategies)
+
+
+def test_logits_to_keep_what_if_for_a_model_that_computes_all_logits():
+    model = TupleGPT().eval()
+    x = ids(2, 64, vocab=2000)
+    est = vram_magic.estimate(model, x, generate=8, device="cpu", what_if=True)
+    rows = {r.name: r for r in est.strategies}
+    assert est.generation.logits_to_keep is None  # not a transformers model
+    keep = rows["logits_to_keep=1"]
+    all_logits = 2 * 64 * 2000 * F32  # the prefill's logits, alive into the first step
+    assert base_saving(est, keep) >= 0.75 * all_logits  # the peak moves elsewhere once they are gone
+    assert keep.compute < 1.0
+
+
+def base_saving(est, row) -> int:
+    return est.strategies[0].needed - row.needed
+
+
+# --- caches modelled ----------------------------------------------------------------------------------------------
+def test_quantized_cache_keeps_packed_bits_and_a_full_precision_residual():
+    case = CASES[LONG]
+    model = case.build().eval()
+    est = vram_magic.estimate(model, case.ids(), generate=case.new, device="cpu", cache_implementation="quantized")
+    rows, heads, dim, layers = case.batch, 8, 64, 4
+    quantized = rows * heads * case.prompt * dim  # the prompt, quantized at the prefill
+    packed = quantized // 2 + 2 * (quantized // 64) * F32  # int4 data, a scale and a shift per 64 values
+    residual = rows * heads * (case.new - 1) * dim * F32  # decoding steps < 128: all in the residual
+    assert est.generation.kv_cache == layers * 2 * (packed + residual)
+    dynamic = vram_magic.estimate(model, case.ids(), generate=case.new, device="cpu")
+    assert est.generation.kv_cache < dynamic.generation.kv_cache
+    assert "QuantizedLayer" in est.generation.layers or "Modelled" in est.generation.layers
+
+
+def test_offloaded_cache_on_a_gpu_keeps_two_layers_on_it():
+    case = CASES[LONG]
+    model = case.build().eval()
+    off = vram_magic.estimate(model, case.ids(), generate=case.new, device="cuda", cache_implementation="offloaded")
+    dyn = vram_magic.estimate(model, case.ids(), generate=case.new, device="cuda")
+    assert off.generation.kv_cache == dyn.generation.kv_cache  # host and device together
+    assert off.peak["kv_cache"] <= 0.6 * dyn.peak["kv_cache"]  # the layer in use and the one prefetched, of 4
+    assert "offloaded" in off.generation.cache
+
+
+# --- CUDA: attention kernels, the allocator ------------------------------------------------------------------
+def _qkv(dtype, heads=8, kv_heads=8, q=64, kv=64, dim=64):
+    q_ = torch.empty(2, heads, q, dim, dtype=dtype, device="meta")
+    k = torch.empty(2, kv_heads, kv, dim, dtype=dtype, device="meta")
+    return q_, k, k
+
+
+def test_sdpa_kernel_choice_follows_pytorch():
+    mask = torch.empty(2, 1, 64, 64, dtype=torch.bool, device="meta")
+    assert sdpa_kernel(*_qkv(torch.bfloat16), None, False, (8, 0)) == "flash"
+    assert sdpa_kernel(*_qkv(torch.bfloat16), mask, False, (8, 0)) == "efficient"  # a padding mask
+    assert sdpa_kernel(*_qkv(torch.float32), None, False, (8, 0)) == "efficient"  # flash is half precision only
+    assert sdpa_kernel(*_qkv(torch.float16), None, False, (7, 5)) == "efficient"  # T4: no flash
+    assert sdpa_kernel(*_qkv(torch.float16, kv_heads=2), None, True, (8, 0)) == "flash"  # GQA with flash
+    assert sdpa_kernel(*_qkv(torch.float16, kv_heads=2), None, True, (7, 5)) == "math"  # T4 + GQA
+    assert sdpa_kernel(*_qkv(torch.bfloat16), None, False, (7, 5)) == "math"  # bf16 before 8.0
+    assert sdpa_kernel(*_qkv(torch.float16, dim=320), None, False, (8, 0)) == "efficient"  # head dim > 256
+
+
+def test_t4_runs_grouped_query_prefill_on_the_math_kernel():
+    model, x = small_llama(), ids(2, 256)
+    t4 = vram_magic.estimate(model, x, generate=4, device="cuda", gpu="T4", dtype="fp16")
+    a100 = vram_magic.estimate(model, x, generate=4, device="cuda", gpu="A100-80GB", dtype="fp16")
+    assert dict(t4.generation.sdpa).get("math", 0) > 0 and "math" not in dict(a100.generation.sdpa)
+    assert dict(a100.generation.sdpa).get("flash", 0) > 0
+    scores = 2 * 8 * 256 * 256 * 2  # batch × heads × prompt × prompt, fp16
+    assert t4.peak.total - a100.peak.total >= scores
+    assert any("math kernel materializes" in n for n in t4.notes)
+
+
+def test_cuda_estimate_replays_the_growing_cache_through_the_allocator():
+    case = CASES[LONG]
+    est = vram_magic.estimate(case.build().eval(), case.ids(), generate=case.new, device="cuda", gpu="A100-80GB")
+    gen = est.generation
+    assert gen.reserved_growth is not None and gen.reserved_growth >= 0
+    assert est.reserved >= est.peak.total
+    assert est.needed == est.reserved + est.context
+    assert any("replayed over all" in n for n in est.notes)
+    assert "reserved above allocated" in str(est)
