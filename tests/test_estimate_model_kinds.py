@@ -96,3 +96,67 @@ def test_a_frozen_torchscript_module_is_refused_with_what_to_do():
     frozen = torch.jit.freeze(torch.jit.script(Net().eval()))
     with pytest.raises(ValueError, match=r"frozen TorchScript module \(torch.jit.freeze\).*before torch.jit.freeze"):
         vram_magic.estimate(frozen, batch(), device="cpu", inference=True)
+
+
+def lazy_model() -> nn.Module:
+    return nn.Sequential(nn.LazyLinear(512), nn.ReLU(), nn.LazyLinear(64))
+
+
+LAZY_PARAMS = (128 * 512 + 512) + (512 * 64 + 64)  # 98,880 once the input's 128 features are seen
+
+
+def test_a_lazy_module_not_yet_initialized_is_estimated_and_stays_uninitialized():
+    x = torch.randn(256, 128)
+    model = lazy_model()
+    est = vram_magic.estimate(model, x, device="cpu")
+    assert est.parameters == LAZY_PARAMS
+    assert est.peak["parameters"] == 4 * LAZY_PARAMS
+    assert vram_magic.estimate(model, x, device="cpu", dtype="bf16").peak["parameters"] == 2 * LAZY_PARAMS
+    # the user's module is left as it was: lazy, its parameters still to be made
+    assert type(model[0]) is nn.LazyLinear and isinstance(model[0].weight, nn.UninitializedParameter)
+    assert all(isinstance(p, nn.UninitializedParameter) for p in model.parameters())
+
+    def initialized() -> nn.Module:  # the real steps: PyTorch's advice, one forward before the optimizer is made
+        torch.manual_seed(0)
+        m = lazy_model()
+        m(x)
+        return m
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        real = real_peak(initialized, lambda: x)
+    _close(est, real)
+
+
+class LazyConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn, self.head = nn.LazyConv2d(16, 3, padding=1), nn.LazyBatchNorm2d(), nn.LazyLinear(10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn(self.conv(x)))
+        return self.head(y.flatten(1) + torch.arange(y[0].numel(), dtype=y.dtype))  # a tensor made in forward
+
+
+def test_lazy_convolution_and_batch_norm():
+    x = torch.randn(8, 3, 16, 16)
+    est = vram_magic.estimate(LazyConvNet(), x, device="cpu")
+    conv, bn, head = 3 * 16 * 9 + 16, 2 * 16, 16 * 16 * 16 * 10 + 10
+    assert est.parameters == conv + bn + head
+    assert est.peak["parameters"] == 4 * (conv + bn + head)
+
+    def initialized() -> nn.Module:
+        torch.manual_seed(0)
+        m = LazyConvNet()
+        m(x)
+        return m
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        real = real_peak(initialized, lambda: x)
+    _close(est, real)
+
+
+def test_a_builder_of_lazy_modules_is_refused_with_what_to_do():
+    with pytest.raises(ValueError, match="lazy modules.*pass the built module"):
+        vram_magic.estimate(lazy_model, torch.randn(4, 128), device="cpu")

@@ -38,15 +38,16 @@ class TensorSpec:
         cl = t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
         return cls(tuple(int(s) for s in t.shape), t.dtype, bool(t.requires_grad), cl, keep(t))
 
-    def make(self, dtype: torch.dtype | None) -> torch.Tensor:
-        """A fake tensor (call under the fake mode); floating inputs take ``dtype`` when one is set."""
+    def make(self, dtype: torch.dtype | None, device: str | None = None) -> torch.Tensor:
+        """A fake tensor (call under the fake mode), or a meta one (``device="meta"``); floating inputs take
+        ``dtype`` when one is set."""
         dt = dtype if dtype is not None and self.dtype.is_floating_point else self.dtype
-        t = torch.empty(self.shape, dtype=dt)
+        t = torch.empty(self.shape, dtype=dt, device=device)
         if self.channels_last:
             t = t.contiguous(memory_format=torch.channels_last)
         if self.requires_grad and dt.is_floating_point:
             t.requires_grad_(True)
-        if self.values is not None and dt == self.values.dtype:
+        if self.values is not None and dt == self.values.dtype and device is None:
             from .values import attach, real_copy
 
             attach(t, real_copy(self.values))
@@ -73,12 +74,17 @@ def to_specs(value: Any) -> Any:
 
 
 def from_specs(value: Any, dtype: torch.dtype | None) -> Any:
+    return map_specs(value, lambda s: s.make(dtype))
+
+
+def map_specs(value: Any, fn: Callable[[TensorSpec], Any]) -> Any:
+    """The structure with ``fn(spec)`` in place of every :class:`TensorSpec`."""
     if isinstance(value, TensorSpec):
-        return value.make(dtype)
+        return fn(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(from_specs(v, dtype) for v in value)
+        return type(value)(map_specs(v, fn) for v in value)
     if isinstance(value, dict):
-        return {k: from_specs(v, dtype) for k, v in value.items()}
+        return {k: map_specs(v, fn) for k, v in value.items()}
     return value
 
 
@@ -173,6 +179,12 @@ class ModelSource:
                     torch.set_default_dtype(dtype)
                 try:
                     built = self.builder()
+                except RuntimeError as err:
+                    if "Uninitialized" not in str(err):
+                        raise
+                    raise ValueError("the model builder makes lazy modules (nn.LazyLinear, ...), whose parameters "
+                                     "cannot be made on fake tensors; pass the built module instead (before its "
+                                     "first forward it holds no memory for them)") from None
                 finally:
                     torch.set_default_dtype(old)
             if not isinstance(built, nn.Module):
@@ -190,8 +202,12 @@ class ModelSource:
         from .quantize import stand_ins
 
         memo: dict[int, Any] = dict(stand_ins(model, mode))  # quantized layers: fake stand-ins, copied as they are
+        tensors = list(model.parameters()) + list(model.buffers())
+        for t in tensors:  # a lazy module's: still to be made (see materialize_lazy)
+            if _is_lazy(t) and id(t) not in memo:
+                memo[id(t)] = _lazy_twin(t, dtype)
         with mode:
-            for t in list(model.parameters()) + list(model.buffers()):
+            for t in tensors:
                 if id(t) not in memo:
                     memo[id(t)] = _fake_like(t, dtype)
         if has_scripted(model):  # TorchScript modules: replicas on the fake weights, never a C++ deep copy
@@ -214,6 +230,44 @@ def _fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return new
 
 
+def _is_lazy(t: Any) -> bool:
+    return isinstance(t, nn.parameter.UninitializedTensorMixin)
+
+
+def _lazy_twin(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A lazy module's parameter (or buffer) not made yet: a new one, on the meta device, in ``dtype``."""
+    dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    kind = nn.UninitializedParameter if isinstance(t, nn.Parameter) else nn.UninitializedBuffer
+    return kind(requires_grad=t.requires_grad, device="meta", dtype=dt)
+
+
+def has_lazy(model: nn.Module) -> bool:
+    """Lazy modules (``nn.LazyLinear``, ``nn.LazyConv2d``, ...) whose parameters are still to be made."""
+    return any(_is_lazy(t) for t in list(model.parameters()) + list(model.buffers()))
+
+
+def materialize_lazy(model: nn.Module, specs: Any, mode: FakeTensorMode, dtype: torch.dtype | None,
+                     call: Callable[[nn.Module, Any], Any]) -> None:
+    """Our own fake copy only: its lazy modules make their parameters on a first forward, which runs here on
+    meta tensors (the copy's tensors swapped for meta twins, the inputs made on meta, ``call(model, inputs)``
+    without gradients); then every tensor of the copy is a fake one again, the new parameters included."""
+    twins: dict[int, torch.Tensor] = {}
+    for m in model.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in list(table.items()):
+                if t is None or _is_lazy(t):
+                    continue
+                if id(t) not in twins:
+                    meta = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+                    twins[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(
+                        t, nn.Parameter) else meta
+                table[name] = twins[id(t)]
+    inputs = map_specs(specs, lambda s: s.make(dtype, device="meta"))
+    with torch.no_grad(), torch.device("meta"):
+        call(model, inputs)
+    _normalise(model, mode, dtype)
+
+
 def _normalise(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None) -> None:
     """Our own fake model only: every parameter and buffer a fake CPU tensor in the asked dtype."""
     memo: dict[int, Any] = {}
@@ -223,7 +277,7 @@ def _normalise(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
                 continue
             for table in (m._parameters, m._buffers):
                 for name, t in list(table.items()):
-                    if t is None:
+                    if t is None or _is_lazy(t):
                         continue
                     wrong_dtype = dtype is not None and t.is_floating_point() and t.dtype != dtype
                     if t.device.type == "cpu" and not wrong_dtype and _is_fake(t, mode):

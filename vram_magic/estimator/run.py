@@ -19,7 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..engine.registry import LiveStorages
-from .fake import ModelSource, from_specs, resize, size_of, to_specs
+from .fake import ModelSource, from_specs, has_lazy, materialize_lazy, resize, size_of, to_specs
 from .frameworks import enable_checkpointing, estimating, not_tracing
 from .optimizers import is_fused, make_optimizer
 from .options import Options
@@ -194,6 +194,13 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     if opts.accumulate > 1 and batch is not None:
         micro_batch = -(-batch // opts.accumulate)
         specs = resize(specs, 0, batch, micro_batch)
+    if has_lazy(model):
+        try:
+            materialize_lazy(model, specs, mode, opts.dtype, _call)
+        except Exception as err:
+            raise EstimateError(f"the model's lazy modules make their parameters on a first forward, which failed "
+                                f"on meta tensors ({type(err).__name__}: {err}); run one forward of the model "
+                                "before estimating it") from err
     with mode:
         inputs = from_specs(specs, opts.dtype if opts.amp is None else None)
     model, notes = adapt(model, opts, mode)  # quantize=, lora= (quantize.py, lora.py)
