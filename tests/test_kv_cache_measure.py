@@ -14,6 +14,8 @@ from conftest import run_ok
 import vram_magic
 from vram_magic.engine import generation
 from vram_magic.engine.kv_cache import is_kv_cache, kv_cache_bytes, kv_cache_tensors
+from vram_magic.render.html import live_html
+from vram_magic.render.text import live_text
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -292,10 +294,13 @@ def test_live_status_during_generate():
     ids = torch.randint(1, 96, (B, P))
     seen = []
 
+    texts = []
+
     class Watch(transformers.LogitsProcessor):
         def __call__(self, input_ids, scores):
             status = m.status()
             seen.append((status.phase, status.step, status.breakdown["kv_cache"], input_ids.shape[1]))
+            texts.append((live_text(status, cell=3), live_html(status, cell=3)))
             return scores
 
     with vram_magic.measure() as m:
@@ -305,6 +310,22 @@ def test_live_status_during_generate():
     assert [(p, s) for p, s, _, _ in seen] == [("prefill", 0), ("decode", 1), ("decode", 2), ("decode", 3),
                                               ("decode", 4)]
     assert [kv for _, _, kv, _ in seen] == [_kv(2, B, 2, t, 16) for _, _, _, t in seen]
+    # what the live view draws of it: the step in its first line, the cache among the categories
+    first, last = texts[0], texts[-1]
+    assert " · prefill · " in first[0].splitlines()[0] and " · decode step 4 · " in last[0].splitlines()[0]
+    assert "KV cache" in last[0].splitlines()[1] and "vram-kv_cache" in last[1]
+
+
+def test_nested_blocks_keep_the_wrappers_until_the_outer_one_ends():
+    model = _llama()
+    ids = torch.randint(1, 96, (B, P))
+    with vram_magic.measure() as outer:
+        with vram_magic.measure() as inner:
+            out = _generate(model, ids, 3)
+        assert generation.is_wrapped(transformers.cache_utils.Cache, "update")
+    assert not generation.is_wrapped(transformers.cache_utils.Cache, "update")
+    expected = _kv(2, B, 2, P + 2, 16)
+    assert inner.after["kv_cache"] == outer.after["kv_cache"] == expected == kv_cache_bytes(out)
 
 
 def test_advice_when_the_cache_fills_the_budget():

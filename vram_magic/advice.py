@@ -29,7 +29,8 @@ def _leaks(report: CellReport) -> list[Advice]:
     out = []
     phases = report.trace.phases() if report.trace is not None else {}
     did_backward = "backward" in phases
-    inference = "inference" in phases and not did_backward and "optimizer" not in phases
+    inference = any(p in phases for p in ("inference", "prefill", "decode")) and not did_backward \
+        and "optimizer" not in phases
     graphs: dict[str, list[tuple[str, int]]] = {}  # root variable -> [(name, bytes)]: lists of losses group
     acts = after.details("activations")
     for label, n in acts.items():

@@ -161,7 +161,7 @@ class OomInfo:
     live: Breakdown
     holders: tuple[tuple[str, int], ...] = ()
     site: tuple[tuple[str, int, str], ...] = ()
-    phase: str = ""  # where the failing request was made: forward, backward, optimizer or cell
+    phase: str = ""  # where the failing request was made: forward, backward, optimizer, cell, prefill, decode, ...
 
     def __bool__(self) -> bool:
         return True
