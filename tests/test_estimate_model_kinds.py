@@ -4,6 +4,7 @@ inputs. Each is estimated, its parameter bytes checked by hand and its peak agai
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -160,3 +161,48 @@ def test_lazy_convolution_and_batch_norm():
 def test_a_builder_of_lazy_modules_is_refused_with_what_to_do():
     with pytest.raises(ValueError, match="lazy modules.*pass the built module"):
         vram_magic.estimate(lazy_model, torch.randn(4, 128), device="cpu")
+
+
+class Batch(NamedTuple):
+    x: torch.Tensor
+    mask: torch.Tensor
+
+
+class ReadsFields(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 32)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.lin(batch.x) * batch.mask
+
+
+class TakesFields(ReadsFields):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.lin(x) * mask
+
+
+def named_batch() -> Batch:
+    g = torch.Generator().manual_seed(0)
+    return Batch(torch.randn(128, 64, generator=g), torch.ones(128, 32))
+
+
+def test_named_tuple_inputs_keep_their_fields():
+    b = named_batch()
+    inputs_bytes = 128 * 64 * 4 + 128 * 32 * 4  # x and mask, by hand (the reference counts only top-level tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        real = real_peak(ReadsFields, lambda: (b,)) + inputs_bytes
+    for inputs in (b, (b,), {"batch": b}, named_batch):  # the batch itself, as the one argument, by name, a callable
+        est = vram_magic.estimate(ReadsFields(), inputs, device="cpu")
+        assert est.peak["parameters"] == 4 * (64 * 32 + 32)
+        assert est.batch == 128
+        _close(est, real)
+    # a forward that takes the fields as its arguments gets them so, as from a plain tuple
+    est = vram_magic.estimate(TakesFields(), b, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _close(est, real_peak(TakesFields, lambda: tuple(b)))
+    # what-ifs resize the named tuple's tensors and keep its type
+    est = vram_magic.estimate(ReadsFields(), b, device="cpu", budget="10MiB", max_batch=True)
+    assert est.max_batch is not None and est.max_batch > 128

@@ -66,8 +66,8 @@ def to_specs(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return TensorSpec.of(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(to_specs(v) for v in value) if type(value) in (tuple, list) else tuple(
-            to_specs(v) for v in value)
+        items = [to_specs(v) for v in value]
+        return _rebuild(value, items) if type(value) in (tuple, list) or is_named_tuple(value) else tuple(items)
     if isinstance(value, Mapping):
         return {k: to_specs(v) for k, v in value.items()}
     return value
@@ -82,10 +82,21 @@ def map_specs(value: Any, fn: Callable[[TensorSpec], Any]) -> Any:
     if isinstance(value, TensorSpec):
         return fn(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(map_specs(v, fn) for v in value)
+        return _rebuild(value, [map_specs(v, fn) for v in value])
     if isinstance(value, dict):
         return {k: map_specs(v, fn) for k, v in value.items()}
     return value
+
+
+def is_named_tuple(value: Any) -> bool:
+    return isinstance(value, tuple) and isinstance(getattr(type(value), "_fields", None), tuple)
+
+
+def _rebuild(value: tuple | list, items: list[Any]) -> Any:
+    """A tuple or list like ``value`` holding ``items``: a named tuple keeps its type (a model reads its fields)."""
+    if is_named_tuple(value):
+        return type(value)(*items)
+    return type(value)(items)
 
 
 def specs_in(value: Any) -> list[TensorSpec]:
@@ -110,7 +121,7 @@ def resize(value: Any, dim: int, old: int, new: int) -> Any:
                               resized(value.values, dim, new))
         return value
     if isinstance(value, (tuple, list)):
-        return type(value)(resize(v, dim, old, new) for v in value)
+        return _rebuild(value, [resize(v, dim, old, new) for v in value])
     if isinstance(value, dict):
         return {k: resize(v, dim, old, new) for k, v in value.items()}
     return value

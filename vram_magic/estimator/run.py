@@ -19,7 +19,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..engine.registry import LiveStorages
-from .fake import ModelSource, from_specs, has_lazy, materialize_lazy, resize, size_of, to_specs
+from .fake import ModelSource, from_specs, has_lazy, is_named_tuple, materialize_lazy, resize, size_of, to_specs
 from .frameworks import enable_checkpointing, estimating, not_tracing
 from .optimizers import is_fused, make_optimizer
 from .options import Options
@@ -137,7 +137,21 @@ def _call(model: nn.Module, inputs: Any) -> Any:
         return model(inputs)
     if isinstance(inputs, Mapping):
         return model(**inputs)
+    if is_named_tuple(inputs) and _takes_one(model, inputs):
+        return model(inputs)  # one structured argument, read by its fields
     return model(*inputs)
+
+
+def _takes_one(model: nn.Module, inputs: tuple) -> bool:
+    """Whether ``model.forward`` takes a named tuple whole: it accepts one argument (else its fields are the
+    arguments, as a plain tuple's are)."""
+    try:
+        inspect.signature(model.forward).bind(inputs)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read
+        return True
+    return True
 
 
 def checkpoint_units(model: nn.Module) -> list[nn.Module]:
@@ -442,7 +456,7 @@ def _call_mismatch(model: nn.Module, specs: Any) -> str:
     try:
         if isinstance(specs, Mapping):
             sig.bind(**specs)
-        elif isinstance(specs, (tuple, list)):
+        elif isinstance(specs, (tuple, list)) and not (is_named_tuple(specs) and _takes_one(model, specs)):
             sig.bind(*specs)
         else:
             sig.bind(specs)
