@@ -351,3 +351,16 @@ def test_advice_when_the_cache_fills_the_budget():
     assert short.oom is not None and short.oom.phase in ("decode", "cache update")
     failing = next(a for a in short.advice if a.kind == "oom")
     assert "KV cache" in failing.detail
+
+
+@pytest.mark.cuda
+def test_generate_on_cuda_counts_the_cache_in_the_allocators_blocks():
+    """On a GPU the same cache, each of its tensors in a caching-allocator block (sizes rounded up to 512 B)."""
+    model = _llama().cuda()
+    ids = torch.randint(1, 96, (B, P), device="cuda")
+    with vram_magic.measure(device="cuda") as m:
+        out = _generate(model, ids, N)
+    per_tensor = B * 2 * (P + N - 1) * 16 * F32  # one layer's keys (or values): 7,424 B in a 7,680 B block
+    assert m.after["kv_cache"] == 2 * 2 * (-(-per_tensor // 512) * 512)
+    assert kv_cache_bytes(out) == 2 * 2 * per_tensor
+    assert m.after["activations"] == 0 and m.peak["kv_cache"] >= m.after["kv_cache"]
