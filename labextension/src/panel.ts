@@ -147,17 +147,20 @@ function kernelView(k: IKernel, categories: ICategory[]): HTMLElement {
   const main = gpu > 0 ? `GPU ${formatBytes(gpu)}` : `RAM ${formatBytes(k.rss)}`;
   const nb = basename(k.path) || `kernel ${k.id.slice(0, 8)}`;
   const facts = [k.name, k.execution_state, k.pid !== null ? `pid ${k.pid}` : null].filter(Boolean).join(' · ');
-  const figures = h('ul', { class: 'vram-magic-figures' });
+  // per device, and the RAM beside them; with no GPU memory the headline figure says it all
+  const figures = k.gpu.length ? h('ul', { class: 'vram-magic-figures' }) : null;
   for (const g of k.gpu) {
     const dev = g.index !== null ? `GPU ${g.index}` : g.device ?? 'GPU';
     const how = g.source === 'nvml' ? 'its processes, as NVML counts them' : 'reserved by PyTorch (the kernel\'s own figure; the CUDA context is not in it)';
-    figures.append(h('li', { title: how }, `${dev} ${formatBytes(g.used)}${g.source === 'nvml' ? '' : ' reserved'}`));
+    figures?.append(h('li', { title: how }, `${dev} ${formatBytes(g.used)}${g.source === 'nvml' ? '' : ' reserved'}`));
   }
-  figures.append(h('li', { title: 'resident memory of the kernel process (RSS)' }, `RAM ${formatBytes(k.rss)}`));
+  figures?.append(h('li', { title: 'resident memory of the kernel process (RSS)' }, `RAM ${formatBytes(k.rss)}`));
   const name = h('button', { class: 'vram-magic-nb', type: 'button', title: k.path ? `open ${k.path}` : k.id,
     'data-action': 'open', 'data-kernel-id': k.id }, nb);
   const li = h('li', { class: 'vram-magic-kernel', 'data-kernel-id': k.id },
-    h('div', { class: 'vram-magic-row' }, name, h('span', { class: 'vram-magic-num vram-magic-size' }, main)),
+    h('div', { class: 'vram-magic-row' }, name, h('span', { class: 'vram-magic-num vram-magic-size',
+      title: gpu > 0 ? 'GPU memory of the kernel, every device together' : 'resident memory of the kernel process (RSS)' },
+    main)),
     h('div', { class: 'vram-magic-sub' }, facts),
     figures,
     lastCellView(k, categories),
