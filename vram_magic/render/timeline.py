@@ -129,13 +129,25 @@ def _phase_label(report: CellReport, phase: str, a: int, b: int) -> str:
     return phase
 
 
+def _legend_handles(report: CellReport, series: dict[str, list[int]]) -> list[Any]:
+    """The categories and phase bands; the KV cache, prefill and decode only where the cell had them, and a
+    generating cell names only the phases it had."""
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=COLORS[c], label=LABELS[c]) for c in CATEGORIES if c not in OPTIONAL or any(series[c])]
+    seen = {p for p, _, _ in phase_runs(report)}
+    generated = any(p in seen for p in GENERATION)
+    handles += [Patch(color=PHASES[p][0], alpha=PHASES[p][1] * 2.5, label=p) for p in PHASES
+                if (p in seen if generated else p not in GENERATION)]
+    return handles
+
+
 def _overlaps(a: Any, b: Any) -> bool:
     return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
 
 
 def timeline_figure(report: CellReport, top: int = 3) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.patches import Patch
     from matplotlib.ticker import FuncFormatter, MultipleLocator
 
     trace = report.trace
@@ -236,14 +248,8 @@ def timeline_figure(report: CellReport, top: int = 3) -> Figure:
     ax.set_xlabel("allocation events in the cell", color=INK, fontsize=9, bbox=PAPER)
     ax.set_ylabel(f"{report.device} memory", color=INK, fontsize=9, bbox=PAPER)
     cell = f"cell {report.cell}" if report.cell is not None else "block"
-    # the KV cache, prefill and decode in the legend only where the cell had them
-    handles = [Patch(color=COLORS[c], label=LABELS[c]) for c in CATEGORIES if c not in OPTIONAL or any(series[c])]
-    seen = {p for p, _, _ in phase_runs(report)}
-    generated = any(p in seen for p in GENERATION)  # a generating cell names the phases it had, no others
-    handles += [Patch(color=PHASES[p][0], alpha=PHASES[p][1] * 2.5, label=p) for p in PHASES
-                if (p in seen if generated else p not in GENERATION)]
-    legend = fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.955), ncol=8, fontsize=8,
-                        frameon=True, handlelength=1.2, columnspacing=1.0)
+    legend = fig.legend(handles=_legend_handles(report, series), loc="upper center", bbox_to_anchor=(0.5, 0.955),
+                        ncol=8, fontsize=8, frameon=True, handlelength=1.2, columnspacing=1.0)
     legend.get_frame().set_facecolor("white")
     legend.get_frame().set_alpha(0.85)
     legend.get_frame().set_edgecolor("none")
