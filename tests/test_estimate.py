@@ -296,6 +296,40 @@ def test_estimate_is_a_plain_function_beside_its_package():
     assert vram_magic.estimate.__module__ == "vram_magic"
 
 
+def test_estimate_shows_its_parameters_and_their_documentation():
+    import inspect
+
+    import vram_magic.estimator as pkg
+
+    sig = inspect.signature(vram_magic.estimate)
+    assert list(sig.parameters)[:3] == ["model", "inputs", "optimizer"]
+    assert {"loss_fn", "dtype", "device", "gpu", "budget", "what_if", "max_batch", "generate"} <= set(sig.parameters)
+    assert sig.parameters["optimizer"].default == "adamw" and sig.parameters["device"].default == "cuda"
+    # the package's thin wrapper and the estimator's function: one signature, one docstring
+    assert str(sig) == str(inspect.signature(pkg.estimate))
+    doc = inspect.getdoc(vram_magic.estimate)
+    assert doc == inspect.getdoc(pkg.estimate)
+    assert [name for name in sig.parameters if f"``{name}" not in doc] == []
+    # what help() and IPython's Shift-Tab show
+    import pydoc
+
+    text = pydoc.render_doc(vram_magic.estimate, renderer=pydoc.plaintext)
+    assert "estimate(model: 'Any', inputs: 'Any', *, optimizer: 'Any' = 'adamw'" in text
+    assert "fit verdict" in text
+
+
+def test_importing_the_package_does_not_import_the_estimator():
+    import subprocess
+    import sys
+
+    code = ("import sys, inspect, vram_magic\n"
+            "inspect.signature(vram_magic.estimate); help(vram_magic.estimate)\n"
+            "print(sorted(m for m in ('vram_magic.estimator', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 # --- the magic ---------------------------------------------------------------------------------------------
 def test_magic_stores_the_estimate(shell):
     shell.run_cell("import torch, torch.nn as nn\nm = nn.Linear(1024, 4096)")

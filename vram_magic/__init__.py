@@ -12,7 +12,10 @@ from .report import CATEGORIES, Advice, Breakdown, CellReport, DeviceStats, OomI
 from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .engine.cell import Measurement
+    from .estimator import GPU, CudaModel, Estimate
 
 __version__ = "0.1.0"
 
@@ -45,11 +48,77 @@ def measure(device: Any = None, **kwargs: Any) -> Measurement:
     return _measure(device, **kwargs)
 
 
-def estimate(*args: Any, **kwargs: Any) -> Any:
-    """Predict a training or inference step's memory on fake tensors; see :func:`vram_magic.estimator.estimate`."""
-    from .estimator import estimate as _estimate
+def estimate(
+    model: Any,
+    inputs: Any,
+    *,
+    optimizer: Any = "adamw",
+    loss_fn: Callable[[Any], Any] | None = None,
+    dtype: Any = None,
+    device: str = "cuda",
+    steps: int = 2,
+    inference: bool = False,
+    amp: Any = None,
+    master_weights: Any = None,
+    checkpointing: bool = False,
+    accumulate: int = 1,
+    zero: int | None = None,
+    fsdp: bool = False,
+    world: int = 1,
+    offload: bool = False,
+    quantize: str | None = None,
+    lora: int | None = None,
+    gpu: str | GPU | None = None,
+    budget: int | str | None = None,
+    cuda: CudaModel | None = None,
+    what_if: bool = False,
+    max_batch: bool = False,
+    max_seq: bool = False,
+    progress: Callable[[str], None] | None = None,
+    generate: int | None = None,
+    cache_implementation: str | None = None,
+    num_beams: int = 1,
+) -> Estimate:
+    """Estimate the memory of a training (or inference) step of ``model`` on ``inputs``.
 
-    return _estimate(*args, **kwargs)
+    ``model``: an ``nn.Module`` (never moved, modified or copied onto real memory) or a zero-argument
+    callable that builds one (called under fake mode, so any size works). ``inputs``: a tensor, a tuple or
+    dict of tensors, or a zero-argument callable returning them; dimension 0 is the batch.
+    ``inference=True``: one forward pass under ``inference_mode`` instead of a training step; ``steps``: the
+    training steps run (the first makes the optimizer's state; the peak is the last one's).
+    ``optimizer``: ``sgd``, ``sgd-momentum``, ``adam``, ``adamw``, ``adagrad``, ``rmsprop``, ``adafactor``,
+    an optimizer class, or an optimizer object (its class and hyper-parameters are reused).
+    ``dtype``: weights and inputs in bf16/fp16/fp32; ``amp``: autocast to bf16/fp16. ``master_weights="fp32"``
+    (with ``dtype="bf16"`` or ``"fp16"``): the optimizer keeps an fp32 copy of the weights and updates it (mixed
+    precision as DeepSpeed and Megatron train: 2 + 2 + 12 bytes per parameter with Adam).
+    ``loss_fn(output)``: the loss; by default the output's ``loss`` (a Hugging Face model given ``labels``), else
+    the sum of the output — the estimate's ``loss`` says which.
+    ``checkpointing``: activation checkpointing (the model's own ``gradient_checkpointing_enable`` when it has
+    one, else of each block). ``accumulate=K`` splits the batch into K micro-batches. ``zero=1|2|3`` or
+    ``fsdp=True`` with ``world=N`` give per-rank memory; ``offload`` keeps optimizer state and its step on the host.
+    ``quantize="int8"|"int4"|"nf4"|"nf4-dq"``: the linear layers' weights (not the output head) in that format,
+    counted from its layout and frozen; ``lora=R``: rank-R adapters on the linear layers, everything else frozen
+    (``quantize="nf4", lora=16`` is QLoRA). A model already quantized (torch.ao, torchao, bitsandbytes) or made
+    with PEFT is estimated as it is.
+    ``device="cuda"`` models a GPU (default), ``"cpu"`` a CPU run. ``gpu`` (a name from :data:`GPUS`) or
+    ``budget`` (``"24GiB"``) sets the capacity for the fit verdict; ``cuda``: a :class:`CudaModel` with other
+    constants for what CUDA adds (its context, the cuBLAS and cuDNN workspaces). ``what_if`` adds the strategy table;
+    ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1
+    of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial.
+
+    ``generate=N``: the peak of ``model.generate(inputs, max_new_tokens=N, min_new_tokens=N)`` instead of a step
+    (``inputs``: token ids, or a dict with ``input_ids`` and ``attention_mask``), with ``cache_implementation``
+    (a name the installed transformers knows: ``"static"``, ``"offloaded"``, ...) and ``num_beams``; the KV
+    cache is the ``kv_cache`` category, ``estimate.generation`` holds its bytes per token. With it,
+    ``max_seq`` finds the longest prompt and ``max_batch`` the largest batch that fit with N new tokens.
+    A decoder without transformers whose forward takes and returns a cache (``past_key_values``) works too.
+    """
+    # the estimator (and torch) are imported on the first call, not with the package; its estimate() has this
+    # signature and docstring (tests/test_estimate.py holds the two together)
+    options = dict(locals())
+    from .estimator import estimate as run
+
+    return run(**options)
 
 
 def gather(*args: Any, **kwargs: Any) -> Any:

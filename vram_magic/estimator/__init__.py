@@ -52,6 +52,8 @@ def estimate(
     ``model``: an ``nn.Module`` (never moved, modified or copied onto real memory) or a zero-argument
     callable that builds one (called under fake mode, so any size works). ``inputs``: a tensor, a tuple or
     dict of tensors, or a zero-argument callable returning them; dimension 0 is the batch.
+    ``inference=True``: one forward pass under ``inference_mode`` instead of a training step; ``steps``: the
+    training steps run (the first makes the optimizer's state; the peak is the last one's).
     ``optimizer``: ``sgd``, ``sgd-momentum``, ``adam``, ``adamw``, ``adagrad``, ``rmsprop``, ``adafactor``,
     an optimizer class, or an optimizer object (its class and hyper-parameters are reused).
     ``dtype``: weights and inputs in bf16/fp16/fp32; ``amp``: autocast to bf16/fp16. ``master_weights="fp32"``
@@ -59,14 +61,16 @@ def estimate(
     precision as DeepSpeed and Megatron train: 2 + 2 + 12 bytes per parameter with Adam).
     ``loss_fn(output)``: the loss; by default the output's ``loss`` (a Hugging Face model given ``labels``), else
     the sum of the output — the estimate's ``loss`` says which.
-    ``accumulate=K`` splits the batch into K micro-batches. ``zero=1|2|3`` or ``fsdp=True`` with ``world=N``
-    give per-rank memory; ``offload`` keeps optimizer state and its step on the host.
+    ``checkpointing``: activation checkpointing (the model's own ``gradient_checkpointing_enable`` when it has
+    one, else of each block). ``accumulate=K`` splits the batch into K micro-batches. ``zero=1|2|3`` or
+    ``fsdp=True`` with ``world=N`` give per-rank memory; ``offload`` keeps optimizer state and its step on the host.
     ``quantize="int8"|"int4"|"nf4"|"nf4-dq"``: the linear layers' weights (not the output head) in that format,
     counted from its layout and frozen; ``lora=R``: rank-R adapters on the linear layers, everything else frozen
     (``quantize="nf4", lora=16`` is QLoRA). A model already quantized (torch.ao, torchao, bitsandbytes) or made
     with PEFT is estimated as it is.
     ``device="cuda"`` models a GPU (default), ``"cpu"`` a CPU run. ``gpu`` (a name from :data:`GPUS`) or
-    ``budget`` (``"24GiB"``) sets the capacity for the fit verdict. ``what_if`` adds the strategy table;
+    ``budget`` (``"24GiB"``) sets the capacity for the fit verdict; ``cuda``: a :class:`CudaModel` with other
+    constants for what CUDA adds (its context, the cuBLAS and cuDNN workspaces). ``what_if`` adds the strategy table;
     ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1
     of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial.
 
