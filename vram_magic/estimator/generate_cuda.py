@@ -19,16 +19,20 @@ So a padding mask moves a GPU from flash to memory-efficient attention, and a gr
 
 **The caching allocator and a growing cache.** A dynamic cache asks for one token more per layer every step,
 and a freed block is never quite large enough for the next, longer request; blocks in different segments
-never merge. :func:`unrolled_reserved` replays every decoding step (the traced last step repeated, each
-allocation at the size it has at that step) through :class:`~vram_magic.engine.caching_allocator.
-CachingAllocator`, from the traced prefill to the last token, and reports the reserved peak and what is
-reserved above allocated when the loop ends.
+never merge; a long prompt's large freed blocks (its MLP's intermediates) are split to hold the growing
+cache, which pins them. :func:`unrolled_reserved` replays every decoding step (the traced last step
+repeated, each allocation at the size it has at that step) through the allocator's rules, from the traced
+prefill to the last token, and reports the reserved peak, what is reserved above allocated when the loop
+ends, and the peak of the segments that hold a live block — what a GPU must have, since the allocator gives
+back entirely free segments when ``cudaMalloc`` fails.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -115,15 +119,55 @@ def kernel_note(kernels: Mapping[str, int], capability: tuple[int, int], named: 
     return text
 
 
+@dataclass
+class PinnedAllocator(CachingAllocator):
+    """The caching allocator, also counting the bytes of the segments that hold a live block (``pinned``): what it
+    cannot give back to the device. When ``cudaMalloc`` fails, PyTorch's allocator frees every cached segment that
+    is entirely free and tries again, so a GPU needs ``peak_pinned``, not the ``peak_reserved`` it reaches when it
+    has room to spare."""
+
+    pinned: int = 0
+    peak_pinned: int = 0
+    _bases: list[int] = field(default_factory=list)
+    _segment: dict[int, int] = field(default_factory=dict)  # base -> bytes
+    _count: dict[int, int] = field(default_factory=dict)  # base -> live blocks
+    _of: dict[int, int] = field(default_factory=dict)  # handle -> base
+
+    def malloc(self, nbytes: int) -> int:
+        before = self.reserved
+        handle = super().malloc(nbytes)
+        if not handle:
+            return 0
+        addr = self._live[handle].addr  # the block's address (a segment's first block starts at its base)
+        if self.reserved > before:
+            bisect.insort(self._bases, addr)
+            self._segment[addr] = self.reserved - before
+        base = self._bases[bisect.bisect_right(self._bases, addr) - 1]
+        self._of[handle] = base
+        self._count[base] = self._count.get(base, 0) + 1
+        if self._count[base] == 1:
+            self.pinned += self._segment[base]
+            self.peak_pinned = max(self.peak_pinned, self.pinned)
+        return handle
+
+    def free(self, handle: int) -> None:
+        base = self._of.pop(handle, None)
+        if base is not None:
+            self._count[base] -= 1
+            if not self._count[base]:
+                self.pinned -= self._segment[base]
+        super().free(handle)
+
+
 def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapping[int, int],
                       bounds: tuple[int, int, int, int, int, int], steps: int, first: int, cached: int, *,
                       slot: Mapping[int, str], replaced: Mapping[int, int], token_bytes: Mapping[int, int],
-                      persistent: Iterable[int] = ()) -> tuple[int, int, int] | None:
-    """``(peak reserved, reserved at the end, allocated at the end)`` of the whole loop replayed through the
-    caching allocator: the trace up to the jump, then steps ``first`` .. ``steps`` made from the traced last
-    step, each allocation at the size it has at that step (a cache tensor of ``b`` bytes per token holds
-    ``min(cached + step, its length in the last step)`` tokens; the loop's own tensors are between their
-    sizes before the jump and in the last step).
+                      persistent: Iterable[int] = ()) -> tuple[int, int, int, int] | None:
+    """``(peak reserved, reserved at the end, allocated at the end, peak pinned)`` of the whole loop replayed
+    through the caching allocator (:class:`PinnedAllocator`): the trace up to the jump, then steps ``first`` ..
+    ``steps`` made from the traced last step, each allocation at the size it has at that step (a cache tensor
+    of ``b`` bytes per token holds ``min(cached + step, its length in the last step)`` tokens; the loop's own
+    tensors are between their sizes before the jump and in the last step).
 
     ``bounds``: the event indices where the forward before the jump ended (its bookkeeping follows), where the
     jump starts and ends, where the last step starts, where its forward ends, and where the loop ends;
@@ -175,7 +219,7 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
             return base[p] + (sizes[s] - base[p]) * m // max(steps, 1)
         return sizes[s]
 
-    a = CachingAllocator()
+    a = PinnedAllocator()
     handles: dict[int, int] = {}
     for s in initial:
         handles[s] = a.malloc(sizes[s])
@@ -203,7 +247,7 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
                 a.free(previous[p])
                 previous[p] = 0
         previous = current
-    return a.peak_reserved, a.reserved, a.allocated
+    return a.peak_reserved, a.reserved, a.allocated, a.peak_pinned
 
 
-__all__ = ["DEFAULT_CAPABILITY", "GenerateTracer", "kernel_note", "sdpa_kernel", "unrolled_reserved"]
+__all__ = ["DEFAULT_CAPABILITY", "GenerateTracer", "PinnedAllocator", "kernel_note", "sdpa_kernel", "unrolled_reserved"]

@@ -56,15 +56,17 @@ def evaluate_generate(request: Request, opts: Options, spec: GenerateSpec, targe
             notes.append(note)
         grown = _reserved(trace, facts, spec, opts, target)
         if grown is not None:
-            peak_reserved, growth = grown
+            peak_reserved, growth, pinned = grown
             reserved = max(est.reserved, peak_reserved)
             gen = replace(gen, reserved_growth=growth)
-            needed = reserved + est.context
+            needed = max(pinned, est.peak.total) + est.context
             est = replace(est, reserved=reserved, needed=needed,
                           fits=None if est.capacity is None else needed <= est.capacity)
             notes.append(f"the caching allocator replayed over all {spec.new_tokens - 1} decoding steps (the cache "
-                         f"asks for one token more per layer each step): {format_bytes(growth)} reserved above "
-                         "allocated when the loop ends")
+                         f"asks for one token more per layer each step): with room to spare it reserves up to "
+                         f"{format_bytes(reserved)}, {format_bytes(growth)} above allocated when the loop ends; a "
+                         f"GPU needs the {format_bytes(pinned)} of segments holding live blocks at their peak (the "
+                         "allocator frees its cached segments when cudaMalloc fails) + the CUDA context")
         if spec.cache_implementation in ("static", "offloaded_static"):
             notes.append("on CUDA, generate() compiles the decoding step for a static cache (torch.compile "
                          "'reduce-overhead': CUDA graphs with their own memory pool), not modelled")
@@ -129,7 +131,7 @@ def _generation(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec) -> 
 
 
 def _reserved(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec, opts: Options,
-              target: Target) -> tuple[int, int] | None:
+              target: Target) -> tuple[int, int, int] | None:
     marks = trace.marks
     last = spec.new_tokens - 1
     keys = ("bookkeeping_before_jump", "jump_start", "jump_end", f"step{last}", "forward_done", "loop_end")
@@ -144,8 +146,8 @@ def _reserved(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec, opts:
                             persistent=(workspace,))
     if out is None:
         return None
-    peak, reserved, allocated = out
-    return peak, max(reserved - allocated, 0)
+    peak, reserved, allocated, pinned = out
+    return peak, max(reserved - allocated, 0), pinned
 
 
 def loop_note(facts: dict[str, Any], spec: GenerateSpec) -> str:

@@ -93,7 +93,12 @@ def search(est: Estimate, key: str, start: int, *, quadratic: bool,
     assert capacity is not None
     points = [(start, est.needed)]
     fit, unfit = (start, None) if est.needed <= capacity else (0, start)
-    probe = start * 2 if fit else max(start // 2, 1)
+    # the first guess: the line through the estimate and what no prompt (no batch) needs — the weights and the
+    # device's constants
+    fixed = est.peak["parameters"] + (est.needed - est.peak.total if est.device == "cuda" else 0)
+    slope = (est.needed - fixed) / max(start, 1)
+    guess = int(start + (capacity - est.needed) / slope) if slope > 0 else 0
+    probe = guess if fit and guess > start else (start * 2 if fit else max(min(guess, start - 1), start // 2, 1))
     runs = 0
     while runs < MAX_TRIALS:
         got = needed(probe)
