@@ -81,8 +81,9 @@ class Recording:
 class AllocatorRecorder:
     """Start and stop the profiler's memory recording around a block."""
 
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, *, scopes: bool = True) -> None:
         self.device = device
+        self.scopes = scopes  # False: the memory events only (no scopes, so no phases)
         self._on = False
         self._filter: StderrFilter | None = None
 
@@ -100,7 +101,9 @@ class AllocatorRecorder:
         activities = {ProfilerActivity.CPU}
         with _quiet_stderr():
             _prepare_profiler(config, activities)
-            _enable_profiler(config, activities, {RecordScope.USER_SCOPE, RecordScope.BACKWARD_FUNCTION})
+            # no scopes at all is one that eager code never opens (an empty set would record every op)
+            _enable_profiler(config, activities, {RecordScope.USER_SCOPE, RecordScope.BACKWARD_FUNCTION}
+                             if self.scopes else {RecordScope.STATIC_RUNTIME_MODEL})
         self._on = True
         # from here on, c10 logs a line to stderr when the cell frees a block made before the recording
         self._filter = StderrFilter().start()
@@ -109,8 +112,15 @@ class AllocatorRecorder:
     def stop(self) -> Recording:
         """End the recording and read it. If the user's own profiler took over during the block (PyTorch runs
         one at a time: starting theirs ended ours), theirs is left running and the recording is incomplete."""
-        if not self._on:
+        roots = self.finish()
+        if roots is None:
             return Recording(complete=False)
+        return read_events(roots, self.device)
+
+    def finish(self) -> Any:
+        """End the recording: the profiler's event tree (its roots), or ``None`` where it is incomplete."""
+        if not self._on:
+            return None
         self._on = False
         if self._filter is not None:
             self._filter.stop()
@@ -119,10 +129,10 @@ class AllocatorRecorder:
         from torch._C._autograd import _disable_profiler
 
         if not profiler_busy() or getattr(autograd_profiler, "_is_profiler_enabled", False):
-            return Recording(complete=False)
+            return None
         with _quiet_stderr():
             result = _disable_profiler()
-        return read_events(result.experimental_event_tree(), self.device)
+        return result.experimental_event_tree()
 
 
 _SKIP_SCOPES = ("ProfilerStep#",)

@@ -42,6 +42,7 @@ from .frames import SiteNamer
 from .namespace import FrameNamespace, add_other
 from .oom import release_traceback
 from .registry import LiveStorages
+from .scratch import ScratchRecorder, add_scratch, sizes_of, spikes, window_events
 from .tracker import FORWARD, PHASE_NAMES, Tracker
 
 BACKENDS = ("auto", "tracker", "allocator")
@@ -220,6 +221,9 @@ class Measurement:
             else:
                 self._tracker = Tracker(self.registry, self.device, budget=self.budget,
                                         record_sites=self.record_sites, initial=initial)
+                if self.device == "cpu" and "profile" not in self.source:
+                    # kernel scratch (scratch.py); a cell that may start PyTorch's profiler keeps it to itself
+                    self._tracker.scratch = ScratchRecorder()
                 self._t0 = time.perf_counter()
                 self._tracker.__enter__()
         except BaseException:
@@ -257,9 +261,14 @@ class Measurement:
         recorder = self._recorder
         self._tracker = self._recorder = None
         replayed: Replayed | None = None
+        self._scratch_events = None
         try:
             if tracker is not None:
-                tracker.__exit__(exc_type, exc, tb)
+                try:
+                    tracker.__exit__(exc_type, exc, tb)
+                finally:
+                    if tracker.scratch is not None:
+                        self._scratch_events = tracker.scratch.stop()
             elif recorder is not None:
                 recording = recorder.stop()
                 if not recording.complete:
@@ -287,6 +296,8 @@ class Measurement:
                exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         source = tracker if tracker is not None else replayed
         assert source is not None
+        if tracker is not None and tracker.scratch is not None:
+            notes.extend(self._kernel_scratch(tracker))
         oom_index = (source.oom or {}).get("index", len(source.events))
         is_oom = exc_type is not None and issubclass(exc_type, torch.OutOfMemoryError)
         # Frees caused by the clean-up below still count as this cell's events.
@@ -351,6 +362,23 @@ class Measurement:
         object.__setattr__(report, "advice", tuple(advise(report)))
         self.report = report
         self.namespace = None  # may be a live frame's namespace: hold nothing after the block
+
+    def _kernel_scratch(self, tracker: Tracker) -> list[str]:
+        """What the CPU kernels of the block's ops allocated inside themselves, into the tracker's history
+        (scratch.py)."""
+        recorder = tracker.scratch
+        roots, self._scratch_events = self._scratch_events, None
+        if recorder.refused:
+            return ["kernel scratch inside ops was not measured: another profiler was recording (PyTorch runs one "
+                    "at a time)"]
+        if not recorder.started or tracker.truncated:  # no timed op ran (or the history is incomplete)
+            return []
+        if roots is None:
+            return ["PyTorch's profiler was started inside the block and ended the recording of kernel scratch: "
+                    "the peak counts only the tensors of the ops it times"]
+        windows = tracker.windows
+        add_scratch(tracker, spikes(window_events(roots, windows), windows, sizes_of(tracker), tracker.events))
+        return []
 
     def _alive_tracked(self, tracker: Tracker) -> dict[int, int]:
         """serial → key of every storage alive now; storages that appeared without passing through dispatch

@@ -23,6 +23,8 @@ from .generation import KV_UPDATE as KV_UPDATE
 from .generation import PREFILL as PREFILL
 from .generation import GenerationStages
 from .registry import Entry, LiveStorages, storage_size
+from .scratch_ops import HALF, SCRATCH, gemm_copies, uses_scratch
+from .scratch_ops import now as _now
 from .tensors import is_wrapper
 
 _is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
@@ -140,6 +142,10 @@ class Tracker(GenerationStages, TorchDispatchMode):
         # DistributedDataParallel's own part of its forward (before the wrapped module's): the serial it began at
         self._ddp_types: tuple[type, ...] = ()
         self._ddp_open: int | None = None
+        # kernel scratch on the CPU (scratch.py): the recorder of the allocator's events, started by the first timed
+        # op, and each timed call's (start, end, events before it, events after it, phase, module)
+        self.scratch: Any = None
+        self.windows: list[tuple[int, int, int, int, int, int]] = []
         self._stages_init()  # generate() and KV caches (see generation.py)
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -469,6 +475,8 @@ class Tracker(GenerationStages, TorchDispatchMode):
             hit = False
         if not hit and _is_composite(func):
             hit = _DECOMPOSE
+        elif not hit and uses_scratch(func):
+            hit = _SCRATCH
         self._skipping[_decided(func)] = hit
         return hit
 
@@ -566,6 +574,8 @@ class Tracker(GenerationStages, TorchDispatchMode):
                 if out is not NotImplemented:
                     return out
             skip = False
+        elif skip is _SCRATCH:
+            return self._scratch_op(func, args, kwargs)
         # A plain OpOverload's __call__ only forwards to its C++ entry point: calling that directly saves a
         # Python frame per op. Subclasses (torchbind ops) and higher-order operators are called as they are.
         out = (func._op if type(func) is _OpOverload else func)(*args, **(kwargs or {}))
@@ -585,6 +595,48 @@ class Tracker(GenerationStages, TorchDispatchMode):
                 if isinstance(o, torch.Tensor):
                     self._see(o, func)
         return out
+
+    def _scratch_op(self, func: Any, args: Any, kwargs: Any) -> Any:
+        """An op whose CPU kernel allocates inside itself (scratch_ops.py), on the CPU: an fp32 GEMM's operand
+        copies are added at once; any other call is timed, so that the allocator's events inside it are found at
+        the end of the block (scratch.py)."""
+        recorder = self.scratch
+        rule = func is _MM or func is _ADDMM
+        timed = recorder is not None and not (rule and args[0 if func is _MM else 1].dtype not in HALF) \
+            and recorder.start()
+        before = len(self.events)
+        t0 = _now() if timed else 0
+        out = (func._op if type(func) is _OpOverload else func)(*args, **(kwargs or {}))
+        t1 = _now() if timed else 0
+        if _DYNAMO in _loaded and _compiler._is_compiling_flag:
+            return out
+        self._see_outputs(out, func)
+        if timed:
+            modules = self._modules
+            self.windows.append((t0, t1, before, len(self.events), self.phase(), modules[-1] if modules else 0))
+        elif rule and self._cpu and isinstance(out, torch.Tensor) and out.is_cpu:
+            extra = gemm_copies(func, args, out)
+            if extra:
+                self._scratch_block(extra, before)
+        return out
+
+    def _scratch_block(self, size: int, before: int) -> None:
+        """Scratch an op just made and freed: a block allocated and freed at once, after the op's outputs."""
+        events = self.events
+        if len(events) + 2 > self.max_events:
+            self.truncated = True
+            return
+        serial = self.registry.next_serial()
+        last = events[-1] if len(events) > before else 0
+        modules = self._modules
+        self.allocs[serial] = (size, self.phase(), self.allocs[last][2] if last > 0 and last in self.allocs else (),
+                               modules[-1] if modules else 0)
+        self.roles[serial] = SCRATCH
+        events.append(serial)
+        if self.current + size > self.peak:
+            self.peak = self.current + size
+            self.peak_index = len(events)
+        events.append(-serial)
 
     def _see_outputs(self, out: Any, func: Any) -> None:
         if isinstance(out, torch.Tensor):
@@ -635,6 +687,8 @@ _user_steps: dict[type, bool] = {}
 
 
 _DECOMPOSE = object()
+_SCRATCH = object()  # what _skips says of an op whose kernel allocates inside itself (scratch_ops.py)
+_MM, _ADDMM = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
 _SCOPE_IN, _SCOPE_OUT = object(), object()  # what _skips says of the two scope ops
 
 # What each op is, decided once per process and shared by every tracker (a measured block used to decide them

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils.flop_counter import flop_registry
 
 from ..engine.registry import LiveStorages
+from ..engine.scratch_ops import gemm_copies
 from ..engine.tracker import Tracker
 from .values import answer, propagate
 
@@ -261,31 +262,3 @@ class StepTracer(Tracker):
             if extra:
                 self.copies.append((len(self.events), extra))
         return out
-
-
-def gemm_copies(func: Any, args: Any, out: torch.Tensor) -> int:
-    """Bytes of the operand copies the CPU GEMM (``addmm_impl_cpu_``) makes inside the op: an operand whose
-    strides BLAS cannot take (an expanded gradient, a strided slice) is cloned contiguous first."""
-    m1, m2 = (args[0], args[1]) if func is torch.ops.aten.mm.default else (args[1], args[2])
-    if not (isinstance(m1, torch.Tensor) and isinstance(m2, torch.Tensor)) or m1.dim() != 2 or m2.dim() != 2:
-        return 0
-    m, k, n = m1.shape[0], m1.shape[1], m2.shape[1]
-    rs = out.stride()
-    if rs[0] == 1 and (out.shape[1] == 1 or rs[1] >= max(1, m)):
-        transpose_c = False
-    elif rs[1] == 1 and (out.shape[0] == 1 or rs[0] >= max(1, n)):
-        m1, m2, m, n, transpose_c = m2, m1, n, m, True
-    else:
-        return out.numel() * out.element_size()  # the result is computed in a Fortran-ordered copy
-    i, j = (1, 0) if transpose_c else (0, 1)
-
-    def needs_copy(t: torch.Tensor, first: int, second: int) -> bool:
-        st = t.stride()
-        return not ((st[i] == 1 and st[j] >= max(1, first)) or (st[j] == 1 and st[i] >= max(1, second)))
-
-    extra = 0
-    if needs_copy(m1, m, k):
-        extra += m1.numel() * m1.element_size()
-    if needs_copy(m2, k, n):
-        extra += m2.numel() * m2.element_size()
-    return extra
