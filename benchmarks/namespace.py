@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 
@@ -38,22 +39,24 @@ NAMES = {"1,000,000 paths (str)": ["paths"], "60,000 (tensor, label) samples": [
          "dict of 100,000 small tensors": ["tensors"], "300 nn.Linear(16, 16) modules": [f"m{i}" for i in range(300)]}
 
 
-def _paired(shell, rounds: int) -> tuple[float, float]:
-    """Median (ms) of ``%%vram -q`` minus ``pass``, and of the two scans of a cell timed alone."""
+def _paired(shell, rounds: int) -> tuple[float, float, float]:
+    """Medians (ms) of ``%%vram -q`` minus ``pass`` (wall and this process's CPU time), and of the two scans of a
+    cell timed alone (wall)."""
     registry = shell.magics_manager.registry["VramMagics"].session.registry
-    extra, scans = [], []
+    wall, cpu, scans = [], [], []
     for _ in range(rounds):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         shell.run_cell("pass")
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         shell.run_cell("%%vram -q\npass")
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         scan_namespace(shell.user_ns, registry)
         scan_namespace(shell.user_ns, registry)
         t3 = time.perf_counter()
-        extra.append((t2 - t1) - (t1 - t0))
+        wall.append((t2 - t1) - (t1 - t0))
+        cpu.append((c2 - c1) - (c1 - c0))
         scans.append(t3 - t2)
-    return statistics.median(extra) * 1000, statistics.median(scans) * 1000
+    return tuple(statistics.median(x) * 1000 for x in (wall, cpu, scans))  # type: ignore[return-value]
 
 
 def main() -> None:
@@ -66,23 +69,26 @@ def main() -> None:
     shell = InteractiveShell.instance(colors="nocolor")
     shell.run_cell("%load_ext vram_magic")
     shell.run_cell("import torch")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rounds} rounds; ms per cell, "
-          "median of paired differences")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, load average "
+          f"{load:.1f}, {rounds} rounds; ms per cell, medians of paired differences")
     with capture_output():
         shell.run_cell("%%vram -q\npass")
-        base, base_scans = _paired(shell, rounds)
-    print(f"   {'empty namespace':<34} %%vram -q over pass {base:7.2f}   its two scans {base_scans:6.2f}")
+        base, base_cpu, base_scans = _paired(shell, rounds)
+    print(f"   {'':<32} {'%%vram -q over pass':>19} {'CPU':>7} {'its 2 scans':>12} {'over empty':>11} "
+          f"{'CPU':>7} {'first cell':>11}")
+    print(f"   {'empty namespace':<32} {base:19.2f} {base_cpu:7.2f} {base_scans:12.2f}")
     for case, source in CASES.items():
         with capture_output():
             shell.run_cell(source)
             t0 = time.perf_counter()
             shell.run_cell("%%vram -q\npass")
             first = (time.perf_counter() - t0) * 1000
-            cell, scans = _paired(shell, rounds)
+            cell, cell_cpu, scans = _paired(shell, rounds)
             shell.run_cell("del " + ", ".join(NAMES[case]))
             gc.collect()
-        print(f"   {case:<34} %%vram -q over pass {cell:7.2f}   its two scans {scans:6.2f}   "
-              f"extra over the empty namespace {cell - base:7.2f}   first cell {first:7.0f}")
+        print(f"   {case:<32} {cell:19.2f} {cell_cpu:7.2f} {scans:12.2f} {cell - base:11.2f} "
+              f"{cell_cpu - base_cpu:7.2f} {first:11.0f}")
 
 
 if __name__ == "__main__":
