@@ -28,6 +28,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from . import compiled_layout
+
 NOTE = ("compiled (torch.compile): activations saved for backward as AOTAutograd's min-cut partitioner decides "
         "them (with Inductor's decompositions and graph passes); the partitioned graphs run op by op on fake "
         "tensors, pointwise chains counted as fused kernels, buffers reused as Inductor plans them")
@@ -383,9 +385,21 @@ def _make_runner(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bo
     reuse = reused_buffers(gm, virtual, facts)
     deferred = deferred_frees(gm, virtual, reuse, facts)
     kept = set(deferred.values())
+    layout = compiled_layout.applies(gm, ACTIVE[-1].target if ACTIVE else "cuda")  # channels-last convolutions
+    converted = compiled_layout.converted_inputs(gm) if layout else set()
+    weight_grads = compiled_layout.weight_gradients(gm) if layout else set()
 
     def run(args: list[Any]) -> Any:
         tracer = ACTIVE[-1] if ACTIVE else None
+        if tracer is None:
+            return execute(args, None)
+        before, tracer.channels_last_convs = tracer.channels_last_convs, layout
+        try:
+            return execute(args, tracer)
+        finally:
+            tracer.channels_last_convs = before
+
+    def execute(args: list[Any], tracer: Any) -> Any:
         holding: dict[Any, Any] = {}  # dead buffers kept for the kernel that will write into them
         values = list(args)
         args.clear()
@@ -393,7 +407,7 @@ def _make_runner(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bo
         i = 0
         for node in nodes:
             if node.op == "placeholder":
-                env[node] = values[i]
+                env[node] = compiled_layout.channels_last(values[i]) if node in converted else values[i]
                 values[i] = None
                 i += 1
             elif node.op == "call_function":
@@ -411,6 +425,8 @@ def _make_runner(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bo
                         tracer.fusing = False
                 else:
                     env[node] = node.target(*a, **k)
+                if node in weight_grads:
+                    env[node] = compiled_layout.with_contiguous_weight_gradient(env[node])
             elif node.op == "get_attr":
                 target: Any = gm
                 for part in str(node.target).split("."):

@@ -270,6 +270,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
             notes.append(EAGER_NOTE.format(version=torch.__version__) + f"; compiled: {where}")
             compiled = {}
     tracer = StepTracer(registry, names)
+    tracer.target = opts.device
     tracer.input_keys = {id(t.untyped_storage()) for t in _tensors(inputs) if t.layout == torch.strided}
     loss_used = ["loss_fn (given)"] if request.loss_fn is not None else [""]
 

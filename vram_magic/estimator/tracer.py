@@ -44,12 +44,15 @@ def strided_spec(args: Any) -> Any:
                  if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def tensor_spec(t: Any) -> Any:
+def tensor_spec(t: Any, channels_last: bool = False) -> Any:
+    """``("T", shape, dtype, channels-last)`` for a tensor (``channels_last``: every 4-d tensor counted so, as
+    Inductor lays them out), the same inside lists and tuples, anything else as is."""
     if isinstance(t, torch.Tensor):
-        cl = t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+        cl = t.dim() == 4 and (channels_last or (not t.is_contiguous()
+                                                 and t.is_contiguous(memory_format=torch.channels_last)))
         return ("T", tuple(int(s) for s in t.shape), t.dtype, cl)
     if isinstance(t, (list, tuple)):
-        return tuple(tensor_spec(v) for v in t)
+        return tuple(tensor_spec(v, channels_last) for v in t)
     return t
 
 
@@ -103,6 +106,8 @@ class StepTracer(Tracker):
         # set while the compiler works inside the step (AOTAutograd compiles the backward at its first call):
         # the tensors its passes make on their own fake tensors are no memory of the step
         self.compiling = False
+        self.target = "cuda"  # the device the step is estimated for ("cpu" or "cuda")
+        self.channels_last_convs = False  # set while a compiled graph runs its convolutions channels-last
         self.rnns: list[tuple[int, Any, Any, int]] = []  # (events so far, op, argument specs, workspace serial)
         self.copies: list[tuple[int, int]] = []  # (events so far, bytes) of operand copies inside CPU GEMMs
         self.gemms: list[tuple[int, Any, Any]] = []  # (events so far, op, strided argument specs): half GEMMs
@@ -246,7 +251,7 @@ class StepTracer(Tracker):
         if not self.matmul and packet.__name__ in _MATMULS:
             self.matmul = True
         if func is _CONV or func is _CONV_BACKWARD:
-            self.convs.append((len(self.events), func, tensor_spec(args)))
+            self.convs.append((len(self.events), func, tensor_spec(args, self.channels_last_convs)))
         elif func is _RNN or func is _RNN_BACKWARD:
             workspace = 0
             if func is _RNN:  # fake kernels return an empty workspace; the real one is sized by probing
