@@ -190,7 +190,11 @@ class _Walker:
         """Claim the storages of a big container's tensors (a hundred thousand of them) in C: those no earlier
         claim took."""
         owner, mine = self.scan.owner, found.owners(owner_of)
-        if owner.keys().isdisjoint(mine.keys()):
+        if len(owner) * 4 < len(mine):  # start from the container's claims (a copy in C), the earlier ones on top
+            merged = mine.copy()
+            merged.update(owner)
+            self.scan.owner = merged
+        elif owner.keys().isdisjoint(mine.keys()):
             owner.update(mine)
         else:
             owner.update(dict.fromkeys(mine.keys() - owner.keys(), owner_of))
