@@ -376,3 +376,86 @@ def test_composite_ops_under_inference_mode_are_seen_inside(shell):
     r = shell.user_ns["r"]
     assert r.peak.total - r.before.total >= 4096 * 1000 * F32
     assert r.after.total - r.before.total == F32  # the loss itself
+
+
+# --- the cell runs as IPython runs it -------------------------------------------------------------------------
+class _FortyOneIsFortyTwo:
+    """An AST transformer (``shell.ast_transformers``) that turns the constant 41 into 42."""
+
+    def visit(self, node):
+        import ast
+
+        class T(ast.NodeTransformer):
+            def visit_Constant(self, c):
+                return ast.copy_location(ast.Constant(42), c) if c.value == 41 else c
+
+        return T().visit(node)
+
+
+def test_the_users_ast_transformers_run(shell):
+    run_ok(shell, "import torch")
+    shell.ast_transformers.append(_FortyOneIsFortyTwo())
+    try:
+        run_ok(shell, "a = 41")
+        result = run_ok(shell, "%%vram -q -o r\nb = 41\nt = torch.zeros(41)")
+        assert shell.user_ns["a"] == shell.user_ns["b"] == 42
+        assert shell.user_ns["r"].after.total - shell.user_ns["r"].before.total == 42 * F32
+        assert result.error_in_exec is None
+    finally:
+        shell.ast_transformers.pop()
+
+
+def test_the_last_expression_is_the_cells_output(shell, capsys):
+    run_ok(shell, "import torch")
+    result = run_ok(shell, "%%vram -q -o r\nt = torch.ones(256)\nt.sum().item() + 1")
+    n = result.execution_count
+    assert shell.user_ns["r"].cell == n
+    assert result.result == 257.0 and shell.user_ns[f"_{n}"] == 257.0 and shell.user_ns["Out"][n] == 257.0
+    assert shell.user_ns["_"] == 257.0
+    assert f"Out[{n}]: 257.0" in capsys.readouterr().out
+    # the value is shown once the measurement has ended: its formatting and the output cache are no memory of the
+    # cell's (t stays, 1 KiB)
+    assert shell.user_ns["r"].after.total - shell.user_ns["r"].before.total == 256 * F32
+    result = run_ok(shell, "%%vram -q\n2 * 21;")  # a trailing semicolon keeps it quiet, as in any cell
+    assert result.result is None and f"_{result.execution_count}" not in shell.user_ns
+    assert f"Out[{result.execution_count}]" not in capsys.readouterr().out
+
+
+def test_top_level_await(shell):
+    run_ok(shell, "import asyncio, torch")
+    cell = ("%%vram -q -o r\nasync def make(n):\n    await asyncio.sleep(0)\n    return torch.zeros(n)\n"
+            "t = await make(1024)\nawait asyncio.sleep(0)\nt.numel()")
+    result = run_ok(shell, cell)
+    r = shell.user_ns["r"]
+    assert result.result == 1024 and r.cell == result.execution_count
+    assert r.after.total - r.before.total == 1024 * F32
+    # a body that awaits, reached by run_cell_magic itself (no input transformer): the shell's loop runner runs it
+    run_ok(shell, "get_ipython().run_cell_magic('vram', '-q -o r2', 'u = await make(512)')")
+    assert shell.user_ns["r2"].after.total - shell.user_ns["r2"].before.total == 512 * F32
+    assert shell.user_ns["u"].numel() == 512
+
+
+def test_ipython_syntax_inside_a_measured_cell(shell, capfd):
+    run_ok(shell, "import torch")
+    result = run_ok(shell, "%%vram -q -o r\n!echo from-the-shell\n%time t = torch.zeros(100)\nlisting = !echo a b\n"
+                           "len(listing)")
+    assert "from-the-shell" in capfd.readouterr().out
+    assert result.result == 1 and shell.user_ns["listing"] == ["a b"]
+    assert shell.user_ns["r"].after.total - shell.user_ns["r"].before.total == 100 * F32
+
+
+def test_an_exception_is_the_cells_own(shell, capsys):
+    import sys
+
+    run_ok(shell, "import torch")
+    result = run(shell, "%%vram -o r\nt = torch.zeros(10)\ndef f():\n    raise KeyError('from f')\nf()")
+    assert isinstance(result.error_in_exec, KeyError) and not result.success
+    assert sys.last_value is result.error_in_exec
+    printed = capsys.readouterr().out
+    assert "run_cell_magic" not in printed and "CellRun" not in printed and "raise KeyError('from f')" in printed
+    assert printed.index("KeyError") < printed.index("%%vram cell")  # the traceback, then the report
+    r = shell.user_ns["r"]
+    assert r.error == "KeyError: 'from f'" and r.after.total - r.before.total == 10 * F32
+    # a syntax error runs nothing, measures nothing
+    result = run(shell, "%%vram -q -o r3\nx = (")
+    assert isinstance(result.error_in_exec, SyntaxError) and "r3" not in shell.user_ns

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import sys
 from typing import Any
 
@@ -57,15 +56,18 @@ class VramMagics(Magics):
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
-        from .engine.frames import refresh_shell_codes, register_shell_code
+        from .cellrun import awaiting_cells
+        from .engine.frames import refresh_shell_codes
 
         refresh_shell_codes()
-        register_shell_code(VramMagics._run_code.__code__)
         self.session = Session(shell.user_ns, history_size=self.history_size)
         # the files IPython compiles cells into, mapped to cell numbers: allocation sites read "cell 12:3"
         self.session.cell_files = getattr(shell.compile, "_filename_map", None)
         self._auto = False
         self._auto_skip = False
+        # a %%vram cell whose body awaits runs as an async cell (cellrun.py)
+        self._awaiting = awaiting_cells(shell)
+        shell.input_transformers_post.append(self._awaiting)
         self.observe(lambda ch: self.session.resize(ch["new"]), names="history_size")
 
     # --- %%vram ----------------------------------------------------------------------------------
@@ -90,11 +92,38 @@ class VramMagics(Magics):
         __tracebackhide__ = True  # noqa: F841
         if cell is None:
             return self._line(line)
+        prepared = self._prepare(line, cell)
+        if prepared is None:
+            return None
+        run, args = prepared
+        measured = self._measured(run, args)
+        if run.awaits:
+            return self.shell.loop_runner(measured)
+        try:
+            measured.send(None)
+        except StopIteration:
+            return None
+        measured.close()
+        raise RuntimeError("the cell's body awaited without a top-level await")
+
+    async def vram_async(self, line: str, cell: str) -> None:
+        """``%%vram`` for a cell whose body awaits at top level: IPython awaits this in its own loop (the
+        input transformer of cellrun.py writes the call)."""
+        __tracebackhide__ = True  # noqa: F841
+        prepared = self._prepare(line, cell)
+        if prepared is not None:
+            await self._measured(*prepared)
+
+    def _prepare(self, line: str, cell: str) -> tuple[Any, Any] | None:
+        """Parse the options, ready the body (cellrun.CellRun) and start measuring; None where the cell was run
+        already (by --ranks, or unmeasured where measuring could not start)."""
+        __tracebackhide__ = True  # noqa: F841
         args = parse_argstring(self.vram, line)
         if args.ranks or args.estimate or args.ranks_dir:  # the processes the cell starts, each measuring itself
             from .ranks.magic import run_ranks_cell
 
-            return run_ranks_cell(self, cell, args)
+            run_ranks_cell(self, cell, args)
+            return None
         if args.rest:
             raise UsageError(f"unexpected {' '.join(args.rest)!r} after %%vram; options: -o NAME, -q, --device DEV, "
                              "--budget SIZE, --timeline, --no-trace, --backend auto|tracker|allocator")
@@ -103,6 +132,7 @@ class VramMagics(Magics):
             raise UsageError("%%vram cannot run inside another measured cell (nested %%vram, or %vram auto on): "
                              "measure the outer cell only")
         _check_name(args.output, "-o")
+        run = self.cell_run(cell)
         try:
             self.session.record_sites = self.record_sites and not args.no_trace
             self.session.start(args.device, budget=budget, cell=self._cell_number(), source=cell,
@@ -111,24 +141,29 @@ class VramMagics(Magics):
             raise UsageError(str(err)) from None
         except Exception as err:  # measuring cannot start here: the cell still runs, unmeasured
             _warn(f"vram_magic could not measure this cell ({type(err).__name__}: {err}); it ran unmeasured")
-            value = self._execute(cell)
-            if value is not None:
-                self.shell.displayhook(value)
+            run.run_here()
+            run.show()
             return None
         finally:
             self.session.record_sites = self.record_sites
-        return self._run_measured(cell, args)
+        return run, args
 
-    def _run_measured(self, cell: str, args: Any) -> Any:
+    def cell_run(self, cell: str) -> Any:
+        """A cell's body ready to run as IPython runs a cell (cellrun.CellRun), under this cell's number."""
+        from .cellrun import CellRun
+
+        return CellRun(self.shell, cell, self._cell_number())
+
+    async def _measured(self, run: Any, args: Any) -> None:
+        """Run the body, measured (the session has started); store (``-o``) and show the report, also when the
+        body raised (IPython has shown its traceback and holds the error as the cell's)."""
         __tracebackhide__ = True  # noqa: F841  (IPython hides this frame in tracebacks)
         error: BaseException | None = None
-        value: Any = None
         live = None if args.quiet else _start_live(self)
         try:
-            value = self._execute(cell)
-        except BaseException as exc:
+            error = await run.run()
+        except BaseException as exc:  # one of ours: the body's own exceptions are IPython's to show
             error = exc
-            _traceback_from_cell(exc, self.shell)
             raise
         finally:
             if live is not None:
@@ -136,11 +171,8 @@ class VramMagics(Magics):
             report = self.session.finish(error)
             if args.output and report is not None:
                 self.shell.user_ns[args.output] = report
-            if error is not None:
-                del error  # the traceback holds frames; do not keep it in this frame
-            if value is not None:  # the cell's own result, as without the magic
-                self.shell.displayhook(value)
-                value = None
+            error = None  # its traceback holds frames; do not keep it in this frame
+            run.show()  # the cell's own result, as without the magic
             if live is not None and (args.quiet or report is None):
                 live.finish(None)
             if not args.quiet and report is not None:
@@ -149,37 +181,12 @@ class VramMagics(Magics):
                 except Exception as err:  # a display that fails must not fail the cell
                     _warn(f"vram_magic could not display this cell's report ({type(err).__name__}: {err}); "
                           f"it is stored{' in ' + args.output if args.output else ''} and in %vram history")
-        return None
 
     def _cell_number(self) -> int:
         """The number in the cell's ``In [N]`` prompt (IPython 9 has already counted the next cell by now)."""
         result = getattr(self.shell.displayhook, "exec_result", None)
         count = getattr(result, "execution_count", None)
         return int(count) if count is not None else int(self.shell.execution_count)
-
-    def _execute(self, cell: str) -> Any:
-        """Run the cell's code in the user namespace; return the last expression's value (like a cell)."""
-        __tracebackhide__ = True  # noqa: F841
-        shell = self.shell
-        source = shell.transform_cell(cell)
-        filename = shell.compile.cache(source, self._cell_number(), raw_code=cell)
-        flags = shell.compile.flags | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-        tree = compile(source, filename, "exec", ast.PyCF_ONLY_AST | flags, dont_inherit=True)
-        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-        ns = shell.user_ns
-        self._run_code(compile(tree, filename, "exec", flags, dont_inherit=True), ns)
-        if last is None:
-            return None
-        expr = compile(ast.Expression(last.value), filename, "eval", flags, dont_inherit=True)
-        return self._run_code(expr, ns)
-
-    def _run_code(self, code: Any, ns: dict[str, Any]) -> Any:
-        __tracebackhide__ = True  # noqa: F841
-        import inspect
-
-        if code.co_flags & inspect.CO_COROUTINE:
-            return self.shell.loop_runner(eval(code, ns))
-        return eval(code, ns)
 
     def _show(self, report: Any, timeline: bool = False, live: Any = None) -> None:
         from .live import show_report
@@ -306,6 +313,8 @@ class VramMagics(Magics):
     def close(self) -> None:
         from .watch import stop_watch
 
+        if self._awaiting in self.shell.input_transformers_post:
+            self.shell.input_transformers_post.remove(self._awaiting)
         stop_watch(self)
         self.set_auto(False)
         self.session.close()
@@ -361,13 +370,6 @@ def _start_live(magics: VramMagics) -> Any:
         warnings.warn(f"vram_magic could not start the live view ({type(err).__name__}: {err})", RuntimeWarning,
                       stacklevel=3)
         return None
-
-
-def _traceback_from_cell(exc: BaseException, shell: Any) -> None:
-    """Show the cell's traceback from its own code, without IPython's ``run_cell_magic`` line."""
-    from .render.traceback import start_at_cell
-
-    start_at_cell(exc, shell)
 
 
 _EXT_KEY = "_vram_magic_extension"

@@ -49,18 +49,17 @@ def run_ranks_cell(magics: Any, cell: str, args: Any) -> None:
     est = check_options(args, shell.user_ns)
     launched = LaunchedRanks(args.ranks_dir, title=f"%%vram cell {magics._cell_number()}",
                              fork_advice=forks.advice(args.estimate, args.output))
-    value: Any = None
+    run = magics.cell_run(cell)
     try:
         with launched:
-            value = magics._execute(cell)
+            run.run_here()
     finally:
         reports = launched.reports
         if reports is not None and est is not None:
             reports = reports.with_estimate(est)
         if args.output and reports is not None:
             shell.user_ns[args.output] = reports
-        if value is not None:
-            shell.displayhook(value)
+        run.show()
         if not args.quiet and reports is not None:
             show(magics, reports)
 
