@@ -385,7 +385,18 @@ class Learnt:
                 "encoder_length": self.encoder_length, "jump_ok": plan.jump, "flops": self.phase_flops(),
                 "slot": dict(self.slot), "marks": dict(self.marks), "replaced": dict(self.replaced),
                 "token_bytes": dict(self.token_bytes), "cached": self.cached,
-                "is_encoder_decoder": bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))}
+                "is_encoder_decoder": bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)),
+                "max_positions": _max_positions(model)}
+
+
+def _max_positions(model: Any) -> int | None:
+    config = getattr(model, "config", None)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions"):
+        n = getattr(text, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
 
 
 def _step_trace(tracer: Any, owner: dict[int, tuple[str, str]], learnt: Learnt, model: Any, params: list[Any],

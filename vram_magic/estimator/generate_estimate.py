@@ -50,6 +50,11 @@ def evaluate_generate(request: Request, opts: Options, spec: GenerateSpec, targe
     gen = _generation(trace, facts, spec)
     notes = [n for n in est.notes]
     notes.insert(0, loop_note(facts, spec))
+    limit, length = facts.get("max_positions"), facts["seq"] + spec.new_tokens
+    if limit and length > limit and not facts["is_encoder_decoder"]:
+        notes.append(f"prompt + new tokens = {length} is beyond the model's {limit} positions "
+                     "(max_position_embeddings): learned position embeddings cannot index it, rotary ones leave "
+                     "their training range; the memory is estimated all the same")
     if cap is not None:
         note = kernel_note(dict(facts.get("kernels", {})), cap, target.gpu is not None)
         if note:
