@@ -1,7 +1,8 @@
 """A kernel's own figures, shared with the Jupyter server through a small file, without running code in the kernel.
 
 While ``%load_ext vram_magic`` is active in a kernel started by a Jupyter server, the kernel writes
-``<folder of its connection file>/vram-magic/<pid>.json`` after each cell (and each measured cell's report):
+``<folder of its connection file>/vram-magic/<pid>.json`` after each cell where a figure changed (and after each
+measured cell's report):
 allocated and reserved bytes per CUDA device that has a context, and the last measured cell's categories.
 The server's route reads these files by kernel id or pid (:class:`FiguresReader`); unloading the extension
 removes the file. Writing one costs a fraction of a millisecond; nothing here creates a CUDA context.
@@ -65,6 +66,7 @@ class FiguresWriter:
         self.path = os.path.join(folder, f"{os.getpid()}.json")
         self._properties: dict[int, tuple[int, str]] = {}
         self._failed = False
+        self._written: dict[str, Any] | None = None
         os.makedirs(folder, exist_ok=True)
         shell.events.register("post_run_cell", self._after_cell)
         session.on_report.append(self._on_report)
@@ -112,12 +114,18 @@ class FiguresWriter:
         }
 
     def write(self) -> None:
-        """Replace the file in one step (a reader never sees half of it); a failure never reaches the cell."""
+        """Replace the file in one step (a reader never sees half of it) when a figure changed (``time`` is when
+        they last changed); a failure never reaches the cell."""
         try:
+            figures = self.figures()
+            same = {k: v for k, v in figures.items() if k != "time"}
+            if same == self._written and os.path.exists(self.path):
+                return
             tmp = f"{self.path}.{os.getpid()}.tmp"
             with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.figures(), f, separators=(",", ":"))
+                json.dump(figures, f, separators=(",", ":"))
             os.replace(tmp, self.path)
+            self._written = same
         except Exception as err:
             if not self._failed:
                 self._failed = True

@@ -74,8 +74,10 @@ class KernelPids:
 
         entry.task = asyncio.ensure_future(ask())
 
-    async def update(self, kernel_manager: Any, kernel_ids: list[str], wait: float = 0.5) -> dict[str, KernelPid]:
-        """Entries for ``kernel_ids``; waits up to ``wait`` s for kernels asked for the first time."""
+    async def update(self, kernel_manager: Any, kernel_ids: list[str], wait: float = 0.0) -> dict[str, KernelPid]:
+        """Entries for ``kernel_ids``; waits up to ``wait`` s for kernels asked for the first time. By default it
+        does not wait: making a client costs milliseconds of the server's time per kernel, so the asks run after
+        this answer (which gives the provisioners' pids) and the next poll has the kernels' own."""
         fresh = []
         for kid in kernel_ids:
             try:
