@@ -223,10 +223,10 @@ def test_output_cache_is_reported(shell):
 
 
 def test_widget_bundle_carries_view_and_text(shell):
-    from vram_magic.render.widget import report_bundle
+    from vram_magic.magics.display import report_view
 
     run_ok(shell, BUILD)
-    bundle = report_bundle(shell.user_ns["r_build"], widget=True)
+    bundle = report_view(shell.user_ns["r_build"], widget=True)
     view = bundle["application/vnd.jupyter.widget-view+json"]
     assert view["version_major"] == 2 and len(view["model_id"]) > 0
     assert "parameters" in bundle["text/plain"] and "16.2 MiB" in bundle["text/plain"]

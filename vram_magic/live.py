@@ -134,7 +134,7 @@ class LiveView:
         self._publish(bundle, self.display_id, self.shown)
 
 
-# --- what the magic calls -------------------------------------------------------------------------------------
+# --- a measured cell's view ----------------------------------------------------------------------------------
 def session_scale(history: Any, device: str) -> int | None:
     """The largest total measured so far in the session on ``device``: the length all its bars share."""
     best = 0
@@ -144,17 +144,10 @@ def session_scale(history: Any, device: str) -> int | None:
     return best or None
 
 
-def has_frontend(shell: Any) -> bool:
-    """A kernel with a frontend that can update a display (not terminal IPython)."""
-    return getattr(shell, "kernel", None) is not None
-
-
-def start_for_cell(magics: Any) -> LiveView | None:
-    """The live view of the cell ``magics.session`` is measuring, started (None when it is off)."""
-    delay = float(getattr(magics, "live", 1.0))
-    m = magics.session.active
-    if delay < 0 or m is None or not has_frontend(magics.shell):
-        return None
+def cell_view(m: Any, history: Any, *, delay: float = 1.0, interval: float = 0.25,
+              publish: Publisher = ipython_publisher) -> LiveView:
+    """The live view (not started) of the measurement ``m`` (a running :class:`~vram_magic.engine.cell.Measurement`),
+    its bars on the scale of the session's ``history``."""
     from .engine import cuda
     from .render.html import live_html
     from .render.text import live_text
@@ -162,7 +155,7 @@ def start_for_cell(magics: Any) -> LiveView | None:
     device = m.device
     budget = getattr(m, "budget", None)
     capacity = budget if budget is not None else cuda.capacity(device)
-    scale = session_scale(magics.session.history, device)
+    scale = session_scale(history, device)
     cell = m.cell
 
     def render(status: Any) -> dict[str, Any]:
@@ -171,24 +164,4 @@ def start_for_cell(magics: Any) -> LiveView | None:
                 "text/html": live_html(status, cell=cell, capacity=capacity, budget=budget is not None,
                                        session_scale=scale, allocated=allocated)}
 
-    interval = float(getattr(magics, "live_interval", 0.25))
-    return LiveView(m.status, render, delay=delay, interval=interval).start()
-
-
-def show_report(magics: Any, report: Any, *, timeline: bool = False, live: LiveView | None = None) -> None:
-    """Display ``report`` (in place of the live view, if it appeared) and, if asked, its timeline."""
-    from IPython.display import display
-
-    from .render.widget import report_bundle
-
-    scale = session_scale(magics.session.history, report.device)
-    widget = bool(getattr(magics, "widget", False)) and has_frontend(magics.shell)
-    bundle = report_bundle(report, widget=widget, session_scale=scale)
-    if live is not None:
-        live.finish(bundle)
-    else:
-        display(bundle, raw=True)
-    if timeline:
-        from .render.timeline import timeline_bundle
-
-        display(timeline_bundle(report), raw=True)
+    return LiveView(m.status, render, delay=delay, interval=interval, publish=publish)

@@ -57,6 +57,12 @@ class Session:
         self.active: Measurement | None = None
         self.cell_files: Mapping[str, int] | None = None  # compiled cell file name -> cell number
         self.on_report: list[Callable[[CellReport], Any]] = []  # told of each new report (JupyterLab's figures)
+        # what the shell keeps between cells: auto mode (every cell measured), the live view of the cell auto
+        # mode measures, whether it skips the running cell, and the %vram watch monitor
+        self.auto = False
+        self.auto_skip = False
+        self.auto_live: Any = None
+        self.watch: Any = None
 
     # --- measuring -------------------------------------------------------------------------------
     def start(self, device: Any = None, *, budget: int | str | None = None, cell: int | None = None,
@@ -156,8 +162,15 @@ class Session:
     def reset(self) -> None:
         self.history.clear()
 
+    def stop_watch(self) -> None:
+        """Stop the ``%vram watch`` monitor, if there is one (its last picture stays, marked as stopped)."""
+        current, self.watch = self.watch, None
+        if current is not None:
+            current.stop()
+
     def close(self) -> None:
         """Forget every weakref and report; nothing of this session stays alive or called back."""
+        self.stop_watch()
         if self.active is not None:
             try:
                 self.finish()

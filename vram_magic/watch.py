@@ -149,23 +149,14 @@ class Watch:
             self._view.finish(self._render(self.samples[-1], stopped=True))
 
 
-# --- what the magic calls -------------------------------------------------------------------------------------
+# --- reading the command, starting a monitor ------------------------------------------------------------------
 WATCH_USAGE = "usage: %vram watch [cpu|cuda|cuda:N] [--interval SECONDS] | %vram watch off"
 
 
-def watch_command(magics: Any, words: list[str]) -> str | None:
-    """``%vram watch ...``: start (or restart) the monitor, or stop it with ``off``. Returns a message, or
-    raises ``ValueError`` with the usage."""
-    current: Watch | None = getattr(magics, "_vram_watch", None)
-    if words == ["off"]:
-        if current is None or not current.running:
-            magics._vram_watch = None
-            return "%vram watch: no monitor is running"
-        current.stop()
-        magics._vram_watch = None
-        return None
+def parse_watch(words: list[str], interval: float) -> tuple[str | None, float]:
+    """``(device or None, seconds between samples)`` from ``%vram watch``'s words (``interval`` unless
+    ``--interval S`` is given); a ``ValueError`` with the usage on anything else."""
     device = None
-    interval = float(getattr(magics, "live_interval", 0.25)) * 2
     rest = list(words)
     while rest:
         word = rest.pop(0)
@@ -180,20 +171,11 @@ def watch_command(magics: Any, words: list[str]) -> str | None:
             device = word
         else:
             raise ValueError(WATCH_USAGE)
-    from .live import has_frontend
+    return device, interval
 
-    if not has_frontend(magics.shell):
-        raise ValueError("%vram watch needs a notebook (a kernel with a frontend to update); in a terminal use %vram")
+
+def start_watch(device: str | None, interval: float, registry: Any) -> Watch:
+    """A monitor of ``device`` (see :func:`watch_device`), started; on the CPU it counts ``registry``'s tensors."""
     dev = watch_device(device)
-    if current is not None:
-        current.stop()
-    sampler = cpu_sampler(magics.session.registry) if dev == "cpu" else cuda_sampler(int(dev.split(":")[1]))
-    magics._vram_watch = Watch(dev, sampler, interval=interval).start()
-    return None
-
-
-def stop_watch(magics: Any) -> None:
-    current: Watch | None = getattr(magics, "_vram_watch", None)
-    if current is not None:
-        current.stop()
-        magics._vram_watch = None
+    sampler = cpu_sampler(registry) if dev == "cpu" else cuda_sampler(int(dev.split(":")[1]))
+    return Watch(dev, sampler, interval=interval).start()

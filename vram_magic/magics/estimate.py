@@ -1,0 +1,100 @@
+"""``%vram_estimate``: the shell over :func:`vram_magic.estimate`, with the options ``python -m vram_magic
+estimate`` reads too (one list, ``estimator.arguments.OPTIONS``)."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from ..estimator.arguments import OPTIONS, QUOTING, build, estimate_with_batch, parse_error_hint
+from .checks import check_name
+from .display import WIDGET_VIEW, with_view
+
+if TYPE_CHECKING:
+    from ..estimator.result import Estimate
+
+
+def vram_estimate(line: str) -> None:
+    """Predict a training or inference step's memory without a GPU."""
+
+
+_parser = vram_estimate  # named for the usage line: %vram_estimate [--input EXPR] ...
+for _flags, _kwargs in reversed([*OPTIONS, (("-o", "--output"), {"metavar": "NAME", "help": "store the estimate in "
+                                                                 "the variable NAME"}),
+                                 (("-q", "--quiet"), {"action": "store_true", "help": "do not display the estimate"})]):
+    _parser = argument(*_flags, **_kwargs)(_parser)
+_parser = magic_arguments()(_parser)
+
+
+def help_text() -> str:
+    """``%vram_estimate --help``: the usage line and every option."""
+    return str(_parser.parser.format_help())
+
+
+def parse(line: str) -> Any:
+    if {"-h", "--help"} & set(line.split()):
+        return None  # argparse prints the help itself
+    try:
+        return parse_argstring(_parser, line)
+    except UsageError as err:
+        raise UsageError(parse_error_hint(str(err))) from None
+    except SystemExit as err:  # argparse's own exit on bad input
+        raise UsageError(f"cannot read the options of %vram_estimate: {line!r}; {QUOTING}") from err
+    except ValueError as err:  # shlex: an unclosed quote
+        raise UsageError(parse_error_hint(f"cannot read the options of %vram_estimate: {err}")) from None
+
+
+def build_kwargs(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, inputs, keyword arguments)`` for :func:`vram_magic.estimate` from parsed magic options."""
+    try:
+        return build(args, ns)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def run_estimate(line: str, ns: dict[str, Any], *, widget: bool = False) -> Estimate | None:
+    """``%vram_estimate LINE`` over the namespace ``ns``: store (``-o``) and display the estimate; with
+    ``widget``, the widget view in front of its HTML."""
+    from ..estimator import EstimateError, estimate
+
+    if {"-h", "--help"} & set(line.split()):
+        print(help_text())
+        return None
+    args = parse(line)
+    check_name(args.output, "-o")
+    model, inputs, kwargs = build_kwargs(args, ns)
+    if args.batch is not None and args.input:
+        kwargs["batch"] = args.batch
+    batch = kwargs.pop("batch", None)
+    if not args.quiet and (args.max_batch or args.max_seq):
+        kwargs["progress"] = lambda msg: print(f"max-batch: trying {msg}", file=sys.stdout, flush=True)
+    try:
+        est = estimate(model, inputs, **kwargs) if batch is None else estimate_with_batch(model, inputs, batch, kwargs)
+    except (ValueError, TypeError, EstimateError) as err:
+        raise UsageError(str(err)) from None
+    if args.model.isidentifier():  # named as the user wrote it: module paths read "model.1", not "Sequential.1"
+        from dataclasses import replace
+
+        est = replace(est, model=args.model)
+    if args.output:
+        ns[args.output] = est
+    if args.quiet:
+        return None
+    from IPython.display import display
+
+    if widget:
+        from ..estimator.render import estimate_html
+
+        try:
+            bundle = with_view(str(est), estimate_html(est), widget=True, max_width="56em",
+                               css_class="vram-estimate-widget")
+        except Exception:
+            bundle = {}
+        if WIDGET_VIEW in bundle:  # else (no ipywidgets): the estimate renders itself as HTML and text
+            display(bundle, raw=True)
+            return None
+    display(est)  # shown wherever the magic stands in its cell, not only as the cell's last line
+    return None
