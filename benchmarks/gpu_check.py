@@ -43,7 +43,9 @@ BUDGET_S = 7.5 * 60  # the whole run stays under 8 minutes: steps left when this
 TARGET = 5.0  # % error of the estimate
 #: import name -> requirement, for what the engine, its magics and the tests import
 NEEDS = {"IPython": "ipython>=8.0", "ipywidgets": "ipywidgets>=7.7", "matplotlib": "matplotlib>=3.5",
-         "pandas": "pandas>=1.5", "pytest": "pytest>=7"}
+         "pandas": "pandas>=1.5", "pytest": "pytest>=7",
+         # the JupyterLab route's GPU tests: a real Jupyter server, NVML
+         "pytest_jupyter": "pytest-jupyter[server]>=0.10", "pynvml": "nvidia-ml-py>=12"}
 #: the checks named for the GPU run, and the tests that settle each
 CHECKS = {
     "cell peak in block sizes, user's max_memory_allocated untouched": [
@@ -64,6 +66,9 @@ CHECKS = {
     "before reconciled with the allocator": ["test_gpu_before_is_reconciled_with_the_allocator"],
     "record_stream: frees count when requested": ["test_gpu_record_stream_frees_count_when_requested"],
     "%vram --device cuda reconciles with the driver": ["test_cuda_device_now_reconciles_with_the_driver"],
+    "JupyterLab route: the kernel's process in NVML within 5 % of reserved + context": [
+        "test_gpu_nvml_lists_this_process_within_5_percent",
+        "test_gpu_route_lists_the_kernels_process_within_5_percent"],
 }
 
 

@@ -170,3 +170,40 @@ def test_without_nvidia_ml_py_nvml_says_what_to_install():
 def test_device_uuids_of_nvml_and_torch_match():
     assert same_device("GPU-58b3a2a1-0f6e-11ee-be56-0242ac120002", "58b3a2a1-0f6e-11ee-be56-0242ac120002")
     assert not same_device("GPU-58b3a2a1", "0a1b") and not same_device("GPU-58b3a2a1", None)
+
+
+@pytest.mark.cuda
+def test_gpu_nvml_lists_this_process_within_5_percent():
+    # NVML's figure for this process is PyTorch's reserved memory plus the CUDA context, within 5 %; in a
+    # container whose pids NVML does not share, or on MIG, the notes say so instead
+    pytest.importorskip("pynvml", reason="needs nvidia-ml-py")
+    import torch
+
+    index = torch.cuda.current_device()
+    torch.zeros(1, device=f"cuda:{index}")
+    torch.cuda.synchronize()
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    nvml = Nvml()
+
+    def mine() -> tuple[Device, GpuProcess | None]:
+        devices, notes = nvml.read()
+        assert notes == [], notes
+        dev = next(d for d in devices if same_device(d.uuid, uuid))
+        return dev, next((p for p in dev.processes if p.pid == os.getpid()), None)
+
+    dev, p0 = mine()
+    assert dev.total == torch.cuda.get_device_properties(index).total_memory
+    if p0 is None or p0.used is None:
+        notes = namespace_notes([dev], foreign_pids([dev]), [])
+        assert notes and ("--pid=host" in notes[0] or "per-process" in notes[0]), (dev, notes)
+        pytest.skip(f"NVML gives no figure for this process here: {notes[0]}")
+    context = p0.used - torch.cuda.memory_reserved(index)
+    assert 0 < context < 4 * 2**30, context
+    x = torch.empty(2**30, dtype=torch.uint8, device=f"cuda:{index}")
+    torch.cuda.synchronize()
+    _, p1 = mine()
+    want = torch.cuda.memory_reserved(index) + context
+    assert abs(p1.used - want) <= 0.05 * want, (p1.used, want)
+    assert p1.used - p0.used >= 2**30 * 0.95
+    del x
+    nvml.close()
