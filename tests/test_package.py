@@ -80,3 +80,33 @@ def test_cuda_device_now_reconciles_with_the_driver(shell):
     assert s.total == torch.cuda.get_device_properties(0).total_memory
     assert s.outside_allocator is not None and s.outside_allocator >= 0
     assert now.breakdown.other >= 4 * 2**20
+
+
+def test_no_lower_layer_imports_the_magics():
+    """The IPython shell (``vram_magic/magics/``) sits on top: no other module imports it, even inside a function,
+    but the package's ``load_ipython_extension`` / ``unload_ipython_extension``."""
+    import ast
+    from pathlib import Path
+
+    import vram_magic
+
+    root = Path(vram_magic.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "magics" or rel == Path("__init__.py"):
+            continue
+        package = ["vram_magic", *rel.parts[:-1]]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                names = [".".join([*base, node.module or ""]).strip(".")]
+                names += [f"{names[0]}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n == "vram_magic.magics" or n.startswith("vram_magic.magics.") for n in names):
+                found.append(f"{rel}:{node.lineno}")
+    assert found == []
+    assert sum(1 for _ in root.rglob("*.py")) > 50  # the walk saw the package

@@ -17,7 +17,16 @@ from IPython.core.error import UsageError
 
 from vram_magic.render.watch import watch_html, watch_text
 from vram_magic.session import Session
-from vram_magic.watch import Sample, Watch, cpu_sampler, cuda_reading, process_rss, watch_device
+from vram_magic.watch import (
+    WATCH_USAGE,
+    Sample,
+    Watch,
+    cpu_sampler,
+    cuda_reading,
+    parse_watch,
+    process_rss,
+    watch_device,
+)
 
 
 class FakeCuda:
@@ -124,6 +133,30 @@ def test_watch_needs_a_notebook(shell) -> None:
     result = run(shell, "%vram watch cpu --interval nope")
     assert isinstance(result.error_in_exec, UsageError)
     assert "no monitor is running" in _stdout(shell, "%vram watch off")
+
+
+def test_reading_the_command() -> None:
+    assert parse_watch([], 0.5) == (None, 0.5)
+    assert parse_watch(["cpu"], 0.5) == ("cpu", 0.5)
+    assert parse_watch(["cuda:1", "--interval", "2"], 0.5) == ("cuda:1", 2.0)
+    assert parse_watch(["-i", "0.05", "cpu"], 0.5) == ("cpu", 0.05)
+    for words in (["cpu", "cuda"], ["--interval"], ["--interval", "x"], ["--fast"], ["cpu", "--interval", "0.01"]):
+        with pytest.raises(ValueError) as err:
+            parse_watch(words, 0.5)
+        assert "usage: %vram watch" in str(err.value) or "between 0.05 and 3600" in str(err.value)
+    assert str(pytest.raises(ValueError, parse_watch, ["--fast"], 0.5).value) == WATCH_USAGE
+
+
+def test_the_session_keeps_the_monitor_and_stops_it_on_close() -> None:
+    calls = []
+    session = Session({})
+    session.watch = Watch("cpu", cpu_sampler(session.registry), interval=0.05,
+                          publish=lambda b, d, u: calls.append(b)).start()
+    assert session.watch.running and calls  # the first picture is published by start()
+    watch = session.watch
+    session.close()
+    assert session.watch is None and not watch.running
+    assert "stopped" in calls[-1]["text/plain"]
 
 
 def _stdout(shell, source: str) -> str:
