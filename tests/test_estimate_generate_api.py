@@ -68,6 +68,14 @@ def test_search_needs_a_capacity_and_training_options_are_refused():
         vram_magic.estimate(small_llama(), ids(), generate=4, num_beams=0)
 
 
+def test_random_ids_made_on_fake_tensors_are_an_unpadded_prompt():
+    """An inputs expression of random ids has no values on fake tensors; generate() reads them (a pad token in
+    the prompt, negative ids): they stand in as one ordinary token, an unpadded prompt."""
+    est = vram_magic.estimate(small_llama(), lambda: torch.randint(0, 8000, (2, 64)), generate=4, device="cpu")
+    assert not est.partial
+    assert est.generation.kv_cache == 2 * 4 * 2 * 2 * (64 + 4 - 1) * 32 * F32
+
+
 def test_offloading_needs_a_gpu():
     with pytest.raises(ValueError, match="needs device='cuda'"):
         vram_magic.estimate(small_llama(), ids(), generate=4, cache_implementation="offloaded", device="cpu")

@@ -234,10 +234,42 @@ def _hf_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: Plan) -> Any
     elif spec.cache_implementation is not None:
         kwargs["cache_implementation"] = spec.cache_implementation
     if isinstance(inputs, Mapping):
-        return model.generate(**inputs, **kwargs)
-    if isinstance(inputs, (tuple, list)):
-        return model.generate(*inputs, **kwargs)
-    return model.generate(inputs, **kwargs)
+        args, named = (), dict(inputs)
+    elif isinstance(inputs, (tuple, list)):
+        args, named = tuple(inputs), {}
+    else:
+        args, named = (inputs,), {}
+    _stand_in_values(model, args[0] if args else named.get("input_ids"))
+    return model.generate(*args, **named, **kwargs)
+
+
+def _special_tokens(model: Any) -> set[int]:
+    found: set[int] = set()
+    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id", "decoder_start_token_id"):
+            value = getattr(config, name, None)
+            for v in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(v, int):
+                    found.add(v)
+    return found
+
+
+def _stand_in_values(model: Any, ids: Any) -> None:
+    """Token ids whose values are not known (a random expression evaluated on fake tensors): generate() reads
+    them (a pad token in the prompt makes a padding mask; negative ids; right padding), so they get stand-in
+    values: one ordinary token everywhere, none of the model's special tokens — an unpadded prompt."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from .values import LIMIT, attach, value_of
+
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or value_of(ids) is not None:
+        return
+    if ids.numel() > LIMIT:
+        return
+    special = _special_tokens(model)
+    token = next(t for t in range(len(special) + 1) if t not in special)
+    with _disable_current_modes():
+        attach(ids, torch.full(tuple(ids.shape), token, dtype=ids.dtype))
 
 
 class _null:

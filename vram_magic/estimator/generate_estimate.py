@@ -15,7 +15,7 @@ from .generate_cuda import DEFAULT_CAPABILITY, kernel_note, unrolled_reserved
 from .generate_facts import GenerateSpec, Generation
 from .options import Options
 from .result import Estimate
-from .run import Request, StepTrace
+from .run import EstimateError, Request, StepTrace
 
 #: training options that mean nothing for generate() (their defaults)
 _TRAINING = {"checkpointing": False, "accumulate": 1, "zero": None, "fsdp": False, "world": 1, "offload": False,
@@ -43,6 +43,8 @@ def evaluate_generate(request: Request, opts: Options, spec: GenerateSpec, targe
     """One fake ``generate()`` run, evaluated for ``target``."""
     cap = capability(opts, target)
     trace, facts = trace_generate(request, opts, spec, cuda=cap)
+    if trace.problem:  # the loop never ran: a partial figure would mislead
+        raise EstimateError(f"generate() could not be run on fake tensors: {trace.problem}")
     name = model_name or request.source.name
     first = from_trace(trace, opts, target, model_name=name)
     _label_cache(trace, facts, first)
