@@ -144,3 +144,33 @@ def test_generate_estimate_on_a_gpu():
     peak = torch.cuda.max_memory_allocated()
     assert before > 0
     assert abs(est.peak.total - peak) <= 0.05 * peak, (est.peak.total, peak)
+
+
+def test_left_padded_prompts():
+    """A padding mask (the first prompt left-padded by 32 tokens): generate() keeps it, the model builds a 4-D
+    mask, SDPA takes it (on CUDA memory-efficient attention instead of flash)."""
+    import warnings
+
+    from generate_zoo import llama
+    from torch.profiler import ProfilerActivity, profile
+    from zoo import profiled_cpu_peak, storage_bytes
+
+    import vram_magic
+
+    torch.manual_seed(0)
+    model = llama().eval()
+    ids = torch.randint(3, 8000, (2, 128), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 128, dtype=torch.long)
+    ids[0, :32], mask[0, :32] = 0, 0
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    est = vram_magic.estimate(model, inputs, generate=16, device="cpu")
+    base = storage_bytes(*model.parameters(), *model.buffers(), ids, mask)
+    with warnings.catch_warnings(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        warnings.simplefilter("ignore")
+        model.generate(**inputs, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    real = base + profiled_cpu_peak(prof)
+    assert abs(est.peak.total - real) <= 0.01 * real, (est.peak.total, real)
+    padded = vram_magic.estimate(model, inputs, generate=16, device="cuda", gpu="A100-80GB", dtype="bf16")
+    plain = vram_magic.estimate(model, ids, generate=16, device="cuda", gpu="A100-80GB", dtype="bf16")
+    assert dict(padded.generation.sdpa) == {"efficient": 8}  # 4 layers, prefill and last step
+    assert dict(plain.generation.sdpa) == {"flash": 8}
