@@ -233,3 +233,20 @@ def test_unloading_the_extension_forgets_the_containers_read(shell):
     run_ok(shell, "%unload_ext vram_magic")
     assert id(shell.user_ns["paths"]) not in containers._cache
     run_ok(shell, "%load_ext vram_magic")  # as the fixture expects to find it
+
+
+def _measured_step(xs):
+    import vram_magic
+
+    with vram_magic.measure() as m:
+        pass
+    return m.report
+
+
+def test_measure_blocks_in_a_function_reuse_what_they_read():
+    containers.forget()
+    xs = [torch.ones(8) for _ in range(300)]
+    for _ in range(3):  # each block sees the frame afresh; what was read stays one entry, counted each time
+        report = _measured_step(xs)
+        assert report.before.details("other") == {"xs": 300 * 8 * F32}
+    assert [e for e in containers._cache.values() if e.keys] == [containers._cache[id(xs)]]

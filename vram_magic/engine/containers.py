@@ -242,7 +242,8 @@ class FastReader:
 
     def __init__(self, registry: LiveStorages, namespace: Any) -> None:
         self.registry = registry
-        self.ns = id(namespace)
+        # a namespace made afresh for each block (measure()'s view of a frame) says what it stands for
+        self.ns = getattr(namespace, "scan_id", None) or id(namespace)
         self.stamp = next(_stamps)
 
     def read(self, obj: Any, depth: int) -> Found | None:
@@ -254,16 +255,17 @@ class FastReader:
         key = id(obj)
         entry = _cache.get(key)
         if entry is not None and self._holds(entry, obj, depth):
-            entry.stamp = self.stamp
+            entry.ns, entry.stamp = self.ns, self.stamp
             return entry
         _cache.pop(key, None)
         entry = _build(obj, depth, self.registry)
         if entry is None:
             return None
         entry.ns, entry.stamp = self.ns, self.stamp
-        if len(_cache) < MAX_ENTRIES:
-            _watch(self.registry)
-            _cache[key] = entry
+        if len(_cache) >= MAX_ENTRIES:  # namespaces that are never scanned again (measure() in many functions)
+            _cache.clear()
+        _watch(self.registry)
+        _cache[key] = entry
         return entry
 
     def _holds(self, entry: Found, obj: Any, depth: int) -> bool:

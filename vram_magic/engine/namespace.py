@@ -16,6 +16,7 @@ class FrameNamespace(Mapping[str, Any]):
 
     def __init__(self, frame: Any) -> None:
         self._frame = frame
+        self.scan_id = id(frame.f_globals)  # what the scans of its blocks remember is kept under the module's
 
     def _merged(self) -> dict[str, Any]:
         merged = dict(self._frame.f_globals)
