@@ -22,7 +22,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..engine.kv_cache import KV_CACHE, kv_cache_tensors
 from ..engine.registry import LiveStorages
-from ..report import CATEGORIES
 from .fake import from_specs, resize, size_of
 from .frameworks import estimating, not_tracing
 from .generate_facts import GenerateSpec
@@ -32,8 +31,8 @@ from .quantize import adapt, count_parameters, parameter_labels
 from .run import EstimateError, Request, StepTrace
 from .tracer import FAKE_PROBLEMS, FORWARD
 
-#: the category the cache's tensors are counted in (activations until reports know the KV cache)
-KV = KV_CACHE if KV_CACHE in CATEGORIES else "activations"
+#: the category the cache's tensors are counted in
+KV = KV_CACHE
 GROWTH = ("other", "KV-cache growth: a layer's new copy while the old one is alive (torch.cat, beam reordering)")
 MARK = "\x00kv"  # first-pass labels: which cache storage is alive at the peak
 
