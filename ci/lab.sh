@@ -127,8 +127,15 @@ for name, nb in (("big.ipynb", big), ("small.ipynb", small)):
     nbformat.write(nb, f"{folder}/{name}")
 EOF
 
+# The front end served is the checkout's build (the venv holds the copy made when it was last installed): a
+# labextensions folder first on JUPYTER_PATH links to it, and the browser check looks for its remoteEntry file.
+mkdir -p "$ART/jupyter-path/labextensions"
+ln -sfn "$ROOT/vram_magic/lab/labextension" "$ART/jupyter-path/labextensions/vram-magic"
+REMOTE_ENTRY=$(cd vram_magic/lab/labextension/static && ls remoteEntry.*.js)
+
 PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 step "JupyterLab and Notebook 7 on port $PORT (log in ${ART#"$ROOT"/}/server.log)"
+JUPYTER_PATH="$ART/jupyter-path${JUPYTER_PATH:+:$JUPYTER_PATH}" \
 JUPYTERLAB_SETTINGS_DIR=$SETTINGS OMP_NUM_THREADS=1 "$PYTHON" -m jupyterlab --allow-root --no-browser \
     --ServerApp.token= --ServerApp.password= --ServerApp.disable_check_xsrf=True --ServerApp.port="$PORT" \
     --ServerApp.ip=127.0.0.1 --ServerApp.root_dir="$ART/work" --LabApp.workspaces_dir="$ART/workspaces" \
@@ -142,7 +149,7 @@ done
 grep -q "vram-magic/kernels" "$ART/server.log" || fail "the server did not load vram_magic.lab (see ${ART#"$ROOT"/}/server.log)"
 
 step "JupyterLab and Notebook 7 in chromium"
-CHROMIUM=$(command -v chromium) node ci/browser/lab_check.mjs "http://127.0.0.1:$PORT" big.ipynb small.ipynb \
+CHROMIUM=$(command -v chromium) VRAM_REMOTE_ENTRY=$REMOTE_ENTRY node ci/browser/lab_check.mjs "http://127.0.0.1:$PORT" big.ipynb small.ipynb \
     "$ART/screenshots" | tee "$ART/lab_check.log"
 kill $SERVER 2>/dev/null || true
 

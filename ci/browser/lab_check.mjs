@@ -65,6 +65,11 @@ await context.route("**/*", (route) => {
   return route.abort("blockedbyclient");
 });
 const page = await context.newPage();
+const served = new Set();  // the extension's remoteEntry files the page loaded
+page.on("request", (req) => {
+  const m = req.url().match(/\/vram-magic\/static\/(remoteEntry\.[0-9a-f]+\.js)/);
+  if (m) served.add(m[1]);
+});
 const consoleErrors = [];
 page.on("console", (msg) => {
   if (msg.type() === "error") {
@@ -177,6 +182,9 @@ try {
   await page.locator(".jp-DirListing-item", { hasText: small }).first().dblclick();
   await page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab", { hasText: small }).first().waitFor({ timeout: 30000 });
   check(await runAll(small), `${small}: every cell ran`);
+
+  const want = process.env.VRAM_REMOTE_ENTRY;
+  check(!want || (served.size === 1 && served.has(want)), `the page runs the checkout's front end (${[...served].join(", ")}${want ? `; built: ${want}` : ""})`);
 
   log("JupyterLab: the status bar item");
   check(await status.count() === 1, "the status bar item #vram-magic-status is there");
