@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 from conftest import run_ok
 
@@ -108,3 +109,18 @@ def test_the_reader_parses_once_matches_by_id_or_pid_and_removes_stale_files(tmp
 def test_kernel_id_from_the_connection_file():
     assert kernel_id_from("/run/jupyter/kernel-2f1c9e0a-77b4.json") == "2f1c9e0a-77b4"
     assert kernel_id_from("/tmp/tmpabc.json") is None
+
+
+def test_the_magics_need_no_jupyter_server():
+    # VS Code, Colab, plain IPython: no jupyter_server, no JupyterLab; loading and measuring work, no file
+    code = ("import sys\n"
+            "for m in ('jupyter_server', 'jupyterlab', 'notebook', 'tornado', 'pynvml'): sys.modules[m] = None\n"
+            "from IPython.core.interactiveshell import InteractiveShell\n"
+            "sh = InteractiveShell.instance()\n"
+            "r = sh.run_cell('%load_ext vram_magic')\n"
+            "r = sh.run_cell('%%vram -q -o rep\\nimport torch\\nt = torch.ones(1000)')\n"
+            "import vram_magic.lab, vram_magic.lab.figures\n"
+            "print(r.success, sh.user_ns['rep'].after.other, sh._vram_magic_extension.figures)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "4000", "None"], out.stdout + out.stderr
