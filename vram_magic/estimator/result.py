@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..report import CATEGORIES, Breakdown
+from ..report import CATEGORIES, Breakdown, shown_categories
 from ..units import format_bytes
 
 if TYPE_CHECKING:
@@ -105,9 +105,9 @@ class Estimate:
             raise TypeError("compare() needs a %%vram report or a vram_magic.measure() result (something with a "
                             f"peak breakdown), not {type(report).__name__}")
         rows = []
-        for c in list(CATEGORIES) + ["total"]:
+        for c in list(shown_categories(self.peak, measured)) + ["total"]:  # the KV cache where either has one
             est = self.peak.total if c == "total" else self.peak[c]
-            got = measured.total if c == "total" else measured[c]  # type: ignore[attr-defined]
+            got = measured.total if c == "total" else measured.get(c, 0)  # type: ignore[attr-defined]
             err = est - got
             rows.append({"category": c, "estimate": est, "measured": got, "error": err,
                          "error %": (100.0 * err / got) if got else float("nan")})
