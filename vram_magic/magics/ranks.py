@@ -11,7 +11,7 @@ from IPython.core.error import UsageError
 from ..ranks import forks
 from ..ranks.launch import LaunchedRanks
 from ..ranks.result import RankReports
-from .cell import cell_number, execute
+from .cell import cell_number, cell_run
 from .checks import Host, check_name
 from .display import wants_widget, with_view
 
@@ -51,18 +51,17 @@ def run_ranks_cell(host: Host, cell: str, args: Any) -> None:
     est = check_options(args, shell.user_ns)
     launched = LaunchedRanks(args.ranks_dir, title=f"%%vram cell {cell_number(shell)}",
                              fork_advice=forks.advice(args.estimate, args.output))
-    value: Any = None
+    run = cell_run(shell, cell)
     try:
         with launched:
-            value = execute(shell, cell)
+            run.run_here()
     finally:
         reports = launched.reports
         if reports is not None and est is not None:
             reports = reports.with_estimate(est)
         if args.output and reports is not None:
             shell.user_ns[args.output] = reports
-        if value is not None:
-            shell.displayhook(value)
+        run.show()
         if not args.quiet and reports is not None:
             show(host, reports)
 
