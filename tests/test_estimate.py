@@ -358,6 +358,15 @@ def test_magic_max_batch_shows_progress(shell, capsys):
     assert "max-batch: trying" in capsys.readouterr().out
 
 
+def test_magic_max_seq_progress_names_the_search(shell, capsys):
+    shell.run_cell("import torch, torch.nn as nn\nm = nn.Linear(256, 256)")
+    r = shell.run_cell("%vram_estimate m --input 'torch.randn(2, 16, 256)' --device cpu --budget 4MiB --max-seq -o est")
+    assert r.error_in_exec is None
+    assert shell.user_ns["est"].max_seq > 16
+    out = capsys.readouterr().out
+    assert "max-seq: trying" in out and "max-batch" not in out
+
+
 @pytest.mark.parametrize(
     ("line", "match"),
     [

@@ -38,7 +38,7 @@ def profiler_busy() -> bool:
 
 
 @contextmanager
-def _quiet_stderr() -> Any:
+def quiet_stderr() -> Any:
     """The profiler's C++ side prints a line to file descriptor 2 on every start and stop (which a notebook
     shows under the cell); silence it for the length of the call only."""
     try:
@@ -99,7 +99,7 @@ class AllocatorRecorder:
 
         config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
         activities = {ProfilerActivity.CPU}
-        with _quiet_stderr():
+        with quiet_stderr():
             _prepare_profiler(config, activities)
             # no scopes at all is one that eager code never opens (an empty set would record every op)
             _enable_profiler(config, activities, {RecordScope.USER_SCOPE, RecordScope.BACKWARD_FUNCTION}
@@ -130,7 +130,7 @@ class AllocatorRecorder:
 
         if not profiler_busy() or getattr(autograd_profiler, "_is_profiler_enabled", False):
             return None
-        with _quiet_stderr():
+        with quiet_stderr():
             result = _disable_profiler()
         return result.experimental_event_tree()
 

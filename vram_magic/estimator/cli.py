@@ -36,13 +36,14 @@ def main(argv: list[str]) -> int:
     from . import EstimateError, estimate
 
     args = parser().parse_args(argv)
+    search = "max-seq" if args.max_seq and not args.max_batch else "max-batch"  # what the progress lines search
     try:
         model, inputs, kwargs = build(args, {"torch": torch})
         if args.batch is not None and args.input:
-            progress = None if args.json else (lambda msg: print(f"max-batch: trying {msg}", file=sys.stderr))
+            progress = None if args.json else (lambda msg: print(f"{search}: trying {msg}", file=sys.stderr))
             est = estimate_with_batch(model, inputs, args.batch, {**kwargs, "progress": progress})
         else:
-            progress = None if args.json else (lambda msg: print(f"max-batch: trying {msg}", file=sys.stderr))
+            progress = None if args.json else (lambda msg: print(f"{search}: trying {msg}", file=sys.stderr))
             est = estimate(model, inputs, progress=progress, **kwargs)
     except (ValueError, TypeError, EstimateError) as err:
         print(f"vram_magic estimate: {err}", file=sys.stderr)

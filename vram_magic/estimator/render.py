@@ -13,6 +13,7 @@ import html
 from ..render.bars import BarRow, Cell, Extra, bars_html, grid_html, nbsp_sizes, scale_for, values_html, zoom_note
 from ..render.text import bar, legend, table
 from ..render.theme import BAD, GOOD, MUTED, NUM, RESERVE, ROOT, SMALL
+from ..report import shown_categories
 from ..units import format_bytes
 from .result import Estimate, Strategy
 
@@ -82,7 +83,7 @@ def estimate_text(est: Estimate) -> str:
     scale = max(est.capacity or 0, est.peak.total, 1)
     lines.append(table([("peak", est.peak), ("after fwd", est.after_forward)]))
     lines.append(f"  peak   |{bar(est.peak, scale)}| {format_bytes(est.peak.total)}")
-    lines.append(legend())
+    lines.append(legend(shown_categories(est.peak, est.after_forward)))
     lines.append("  " + est.verdict())
     lines.append("  " + _traced_line(est))
     lines.extend(f"  {line}" for line in est.summary_lines())
@@ -109,11 +110,11 @@ def estimate_text(est: Estimate) -> str:
 
 
 def strategies_text(rows: tuple[Strategy, ...]) -> str:
-    out = ["  what if                                     peak     needed      saves  compute  fits"]
+    out = ["  what if                                     peak     needed          saves  compute  fits"]
     for r in _sorted(rows):
         fits = "" if r.fits is None else ("yes" if r.fits else "no")
         out.append(f"  {r.name[:38]:<38}{format_bytes(r.peak):>11}{format_bytes(r.needed):>11}"
-                   f"{_saves(r):>11}   ×{r.compute:<5.2f} {fits}")
+                   f"{_saves(r):>15}   ×{r.compute:<5.2f} {fits}")
     return "\n".join(out)
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..engine.allocator import quiet_stderr
+
 
 def conv_scratch(convs: list[tuple[int, Any, Any]]) -> dict[int, int]:
     """``{event index: scratch bytes}`` for the convolutions of a trace (``StepTracer.convs``)."""
@@ -193,7 +195,7 @@ def _rnn_once(backward: bool, spec: Any, batch: int) -> tuple[int, int]:
         args = _scaled(spec, _RNN_BATCH_DIMS, batch)
         op = fwd
     op(*args)  # no tensor here requires grad, so no graph is recorded
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with torch.profiler.record_function("vram_magic_probe"):
             result = op(*args)
     workspace = 0 if backward else int(result[3].untyped_storage().nbytes())
@@ -249,7 +251,7 @@ def _probe_op(op: Any, args: list[Any]) -> int:
 
     with torch.no_grad():
         op(*args)  # warm up: oneDNN caches primitives and may allocate once
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with torch.profiler.record_function("vram_magic_probe"):
                 result = op(*args)
         del result

@@ -70,7 +70,8 @@ def run_estimate(line: str, ns: dict[str, Any], *, widget: bool = False) -> Esti
         kwargs["batch"] = args.batch
     batch = kwargs.pop("batch", None)
     if not args.quiet and (args.max_batch or args.max_seq):
-        kwargs["progress"] = lambda msg: print(f"max-batch: trying {msg}", file=sys.stdout, flush=True)
+        search = "max-seq" if args.max_seq and not args.max_batch else "max-batch"
+        kwargs["progress"] = lambda msg: print(f"{search}: trying {msg}", file=sys.stdout, flush=True)
     try:
         est = estimate(model, inputs, **kwargs) if batch is None else estimate_with_batch(model, inputs, batch, kwargs)
     except (ValueError, TypeError, EstimateError) as err:
