@@ -83,6 +83,8 @@ class _Walker:
         self.fsdp: dict[int, tuple[str, Any]] = {}  # id(FSDP state) -> (module name, state)
         self.packed: list[tuple[Any, str]] = []  # (packed quantized weights of a torch.ao module, holder)
         self.frozen = False  # a frozen (or quantized) parameter was claimed: the notes say how much trains
+        # no FSDP module can exist before FSDP2 is imported: looked up once a scan, not once a module
+        self.fsdp_loaded = any(path in sys.modules for path in _FSDP)
 
     # --- collect -------------------------------------------------------------------------------
     def visit(self, name: str, obj: Any, depth: int, cache: bool = False) -> None:
@@ -328,7 +330,7 @@ class _Walker:
                 buffers: list[tuple[Any, str]]) -> None:
         # straight from each submodule's dicts: much cheaper than parameters()/buffers() generators
         subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
-        fsdp = any(path in sys.modules for path in _FSDP)  # no FSDP module can exist before FSDP2 is imported
+        fsdp = self.fsdp_loaded
         for subname, sub in subs:
             names.setdefault(id(sub), subname)
             if fsdp:
