@@ -164,10 +164,10 @@ def test_the_remembered_containers_of_a_namespace_are_forgotten_when_it_drops_th
     ns = {"xs": [torch.ones(2) for _ in range(300)], "paths": [str(i) for i in range(1000)]}
     attribution.scan_namespace(ns, reg)
     held = {id(ns["xs"]), id(ns["paths"])}
-    assert held <= set(containers._cache)
+    assert held <= set(containers.remembered())
     del ns["paths"]
     attribution.scan_namespace(ns, reg)
-    assert id(ns["xs"]) in containers._cache and len(held & set(containers._cache)) == 1
+    assert id(ns["xs"]) in containers.remembered() and len(held & set(containers.remembered())) == 1
 
 
 def test_a_cleared_registry_is_read_again():
@@ -220,18 +220,18 @@ def test_what_was_read_for_a_registry_goes_with_it():
     reg = LiveStorages()
     ns = {"paths": [str(i) for i in range(1000)]}
     attribution.scan_namespace(ns, reg)
-    assert id(ns["paths"]) in containers._cache
+    assert id(ns["paths"]) in containers.remembered()
     del reg
     gc.collect()
-    assert id(ns["paths"]) not in containers._cache
+    assert id(ns["paths"]) not in containers.remembered()
 
 
 def test_unloading_the_extension_forgets_the_containers_read(shell):
     run_ok(shell, "paths = [str(i) for i in range(1000)]")
     measure(shell)
-    assert id(shell.user_ns["paths"]) in containers._cache
+    assert id(shell.user_ns["paths"]) in containers.remembered()
     run_ok(shell, "%unload_ext vram_magic")
-    assert id(shell.user_ns["paths"]) not in containers._cache
+    assert id(shell.user_ns["paths"]) not in containers.remembered()
     run_ok(shell, "%load_ext vram_magic")  # as the fixture expects to find it
 
 
@@ -249,4 +249,4 @@ def test_measure_blocks_in_a_function_reuse_what_they_read():
     for _ in range(3):  # each block sees the frame afresh; what was read stays one entry, counted each time
         report = _measured_step(xs)
         assert report.before.details("other") == {"xs": 300 * 8 * F32}
-    assert [e for e in containers._cache.values() if e.keys] == [containers._cache[id(xs)]]
+    assert [e for e in containers.remembered().values() if e.keys] == [containers.remembered()[id(xs)]]

@@ -208,6 +208,11 @@ _stamps = itertools.count(1)
 _watched: dict[int, Any] = {}  # id(registry) -> its finalizer: what was read for it goes with it
 
 
+def remembered() -> dict[int, Found]:
+    """``{id(container): what was found}`` for the containers remembered now (a copy)."""
+    return dict(_cache)
+
+
 def forget(registry: LiveStorages | None = None) -> None:
     """Drop the containers remembered for ``registry`` (a session closing), or all of them."""
     if registry is None:
