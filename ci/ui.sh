@@ -2,8 +2,8 @@
 # CI browser stage: the display as users see it.
 #   1. a Jupyter server with JupyterLab and Notebook 7 (installed into the project's venv if missing) runs
 #      ci/browser/display_check.ipynb in headless Debian chromium (ci/browser/ui_check.mjs: live view, %vram watch,
-#      the per-rank view of two forked gloo ranks, save and reload, dark theme, 800 px, an untrusted notebook,
-#      Notebook 7), asserting on the DOM;
+#      the per-rank view of two forked gloo ranks, save and reload, dark theme, 800 px, two untrusted tutorials
+#      (02, and 08 whose reports carry the KV cache), Notebook 7), asserting on the DOM;
 #   2. the notebook JupyterLab saved is converted by nbconvert to HTML, plainly and with --sanitize-html (a stand-in
 #      for viewers that sanitize), and both pages are checked in chromium (ci/browser/check.mjs), the per-rank view
 #      in each.
@@ -44,6 +44,8 @@ echo '{"windowingMode": "none"}' > "$SETTINGS/@jupyterlab/notebook-extension/tra
 cp ci/browser/display_check.ipynb "$ART/work/"
 # a tutorial saved by nbclient carries no signature: JupyterLab treats it as untrusted and sanitizes its HTML
 cp notebooks/02_measuring_it.ipynb "$ART/work/untrusted.ipynb"
+# and the text-generation tutorial: its reports carry the KV cache, a sixth colour
+cp notebooks/08_memory_of_text_generation.ipynb "$ART/work/untrusted-generation.ipynb"
 
 PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 step "JupyterLab and Notebook 7 on port $PORT (log in ${ART#"$ROOT"/}/server.log)"
@@ -61,7 +63,7 @@ done
 
 step "JupyterLab and Notebook 7 in chromium"
 CHROMIUM=$(command -v chromium) node ci/browser/ui_check.mjs "http://127.0.0.1:$PORT" display_check.ipynb \
-    "$ART/screenshots" untrusted.ipynb | tee "$ART/ui_check.log"
+    "$ART/screenshots" untrusted.ipynb untrusted-generation.ipynb | tee "$ART/ui_check.log"
 kill $SERVER 2>/dev/null || true
 
 step "nbconvert HTML, plain and --sanitize-html, in chromium"

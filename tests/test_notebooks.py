@@ -23,6 +23,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 TIME_LIMIT_S = float(os.environ.get("VRAM_NOTEBOOK_TIME_LIMIT", 90))  # per notebook, on Binder's 2 cores
 SIZE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)? (?:B|KiB|MiB|GiB)\b")
+GENERATION = "08_memory_of_text_generation.ipynb"  # computes the KV cache by hand beside %%vram's count
 
 
 def _magic_display(source: str) -> str | None:
@@ -66,8 +67,24 @@ def _sizes_not_printed(nb: nbformat.NotebookNode) -> list[str]:
     return sorted(size for size in quoted if size not in printed)
 
 
-def test_there_are_seven_notebooks() -> None:
-    assert [p.name[:3] for p in NOTEBOOKS] == ["01_", "02_", "03_", "04_", "05_", "06_", "07_"]
+def _cache_by_hand_and_measured(nb: nbformat.NotebookNode) -> tuple[int, int]:
+    """Notebook 08's KV cache worked out by hand and the bytes ``%%vram`` counted after the generate() cell, as the
+    cell that compares them prints them."""
+    text = _output_text(nb)
+    hand = re.search(r"B per token × 2 sequences × \d+ tokens = ([\d,]+) B", text)
+    measured = re.search(r"measured after the cell: ([\d,]+) B", text)
+    assert hand and measured, "notebook 08 no longer prints the cache by hand and measured"
+    return int(hand.group(1).replace(",", "")), int(measured.group(1).replace(",", ""))
+
+
+def test_generation_notebook_counts_the_cache_worked_out_by_hand() -> None:
+    nb = nbformat.read(NOTEBOOKS[0].parent / GENERATION, as_version=4)
+    hand, measured = _cache_by_hand_and_measured(nb)
+    assert hand == measured == 2 * 4 * 2 * 32 * 4 * 2 * (256 + 31)  # K and V, layers, kv heads, head dim, fp32, batch
+
+
+def test_there_are_eight_notebooks() -> None:
+    assert [p.name[:3] for p in NOTEBOOKS] == ["01_", "02_", "03_", "04_", "05_", "06_", "07_", "08_"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -121,6 +138,9 @@ def test_notebook_executes_with_static_reports(path: Path, tmp_path: Path) -> No
             assert not any("run_cell_magic" in line for line in errors[0].traceback), f"cell {index}"
 
     assert measured >= 2, "a tutorial notebook should show magic outputs"
+    if path.name == GENERATION:
+        hand, counted = _cache_by_hand_and_measured(nb)
+        assert hand == counted, f"KV cache by hand {hand:,} B, measured {counted:,} B"
     assert not _sizes_not_printed(nb), f"sizes in the prose that the outputs no longer show: {_sizes_not_printed(nb)}"
     expect = os.environ.get("VRAM_EXPECT_IPYWIDGETS")
     if expect:  # the kernel inherits this environment: it ran that ipywidgets

@@ -3,7 +3,7 @@
 //   - a plain page: each report (.vram-report) is visible, its bar segments are drawn as wide as their bytes say,
 //     and no output shows escaped markup;
 //   - a page converted with --sanitize-html (name contains "sanitized"; every style attribute stripped, only a
-//     few tags kept): each report's rows show their text bars (P G O A letters, coloured by the page's ANSI
+//     few tags kept): each report's rows show their text bars (P G O A K letters, coloured by the page's ANSI
 //     classes), and no output shows escaped markup either.
 // Every per-rank view (%%vram --ranks, .vram-report.vram-ranks) is checked in both: a row per rank and moment
 // (before, after, peak; the peak only past four ranks) and one for the estimate when there is one, named as such;
@@ -141,7 +141,7 @@ for (const name of pages) {
     if (!r.visible) problems.push(`report ${i} (${r.title}) is not visible`);
     if (sanitized) {
       const rows = r.textbars;
-      const shown = r.letters.filter((t) => /^\|[PGOA. x]{40}\|$/.test(t));
+      const shown = r.letters.filter((t) => /^\|[PGOAK. x]{40}\|$/.test(t));
       if (rows && shown.length !== rows) problems.push(`report ${i} (${r.title}): ${shown.length} of ${rows} text bars show`);
       drawn += shown.length;
     } else {

@@ -1,11 +1,12 @@
 // The display as users see it: a real JupyterLab and Notebook 7, driven in Debian's headless chromium.
 //
-//   node ui_check.mjs SERVER_URL NOTEBOOK OUT_DIR [UNTRUSTED_NOTEBOOK]
+//   node ui_check.mjs SERVER_URL NOTEBOOK OUT_DIR [UNTRUSTED_NOTEBOOK ...]
 //
 // SERVER_URL: a Jupyter server without a token that serves both UIs (JupyterLab and Notebook 7 installed),
 // NOTEBOOK: ci/browser/display_check.ipynb copied into its root; OUT_DIR: screenshots and measures.json.
-// UNTRUSTED_NOTEBOOK (optional): a notebook saved by nbclient (no signature), opened read-only to check that
-// reports render through JupyterLab's sanitizer.
+// UNTRUSTED_NOTEBOOK (optional, any number): a notebook saved by nbclient (no signature), opened read-only to check
+// that reports render through JupyterLab's sanitizer (and, where they have one, that the KV cache's segments keep
+// a colour of their own).
 //
 // In JupyterLab: run every cell, recording every redraw of the live view and of the %vram watch monitor (the live
 // view must appear during the long training cell and be redrawn at least twice a second, then be replaced by the
@@ -28,9 +29,9 @@ import { join } from "node:path";
 import { chromium } from "playwright-core";
 import { inspectReports, installHelpers } from "./dom.mjs";
 
-const [base, notebook, outDir, untrusted] = process.argv.slice(2);
+const [base, notebook, outDir, ...untrusted] = process.argv.slice(2);
 if (!base || !notebook || !outDir) {
-  console.error("usage: node ui_check.mjs SERVER_URL NOTEBOOK OUT_DIR [UNTRUSTED_NOTEBOOK]");
+  console.error("usage: node ui_check.mjs SERVER_URL NOTEBOOK OUT_DIR [UNTRUSTED_NOTEBOOK ...]");
   process.exit(2);
 }
 mkdirSync(outDir, { recursive: true });
@@ -508,17 +509,25 @@ try {
   await shot("lab-600px", null);
   await page.setViewportSize({ width: 1400, height: 1000 });
 
-  // an untrusted notebook (saved by nbclient, never run here): reports go through JupyterLab's sanitizer
-  if (untrusted) {
-    log("JupyterLab: an untrusted notebook");
-    await open("lab", untrusted);
+  // untrusted notebooks (saved by nbclient, never run here): reports go through JupyterLab's sanitizer
+  for (const [i, name] of untrusted.entries()) {
+    const what = `untrusted notebook ${name}`;
+    log(`JupyterLab: ${what}`);
+    await open("lab", name);
     reports = await page.evaluate(inspectReports);
     const drawn = reports.flatMap((r) => r.bars.flatMap((b) => b.segs)).filter((s) => s.width >= 1 && s.color !== "rgba(0, 0, 0, 0)");
-    check(reports.length >= 2 && drawn.length >= 4, `untrusted notebook: ${reports.length} reports, ${drawn.length} coloured bar segments survive JupyterLab's sanitizer`);
+    check(reports.length >= 2 && drawn.length >= 4, `${what}: ${reports.length} reports, ${drawn.length} coloured bar segments survive JupyterLab's sanitizer`);
+    // the KV cache (text generation) keeps a colour no other category has
+    const kv = drawn.filter((s) => /\bvram-kv_cache\b/.test(s.cls));
+    if (kv.length) {
+      const others = new Set(drawn.filter((s) => /\bvram-seg\b/.test(s.cls) && !kv.includes(s)).map((s) => s.color));
+      check(kv.every((s) => !others.has(s.color)), `${what}: ${kv.length} KV cache segments in a colour of their own (${[...new Set(kv.map((s) => s.color))].join(", ")})`);
+    }
     const worst = reports.reduce((w, r) => (r.contrast.ratio < w.ratio ? r.contrast : w), { ratio: Infinity });
-    measures["lab untrusted: worst text contrast"] = worst;
-    check(worst.ratio >= MIN_CONTRAST, `untrusted notebook: text contrast ≥ ${MIN_CONTRAST}:1 (worst ${worst.ratio.toFixed(2)}:1, "${worst.text}" ${JSON.stringify(worst.fg)} on ${JSON.stringify(worst.bg)})`);
-    await shot("lab-untrusted", page.locator(".jp-Notebook .jp-Cell").filter({ has: page.locator(".vram-report") }).first());
+    measures[`lab untrusted${i ? ` ${name}` : ""}: worst text contrast`] = worst;
+    check(worst.ratio >= MIN_CONTRAST, `${what}: text contrast ≥ ${MIN_CONTRAST}:1 (worst ${worst.ratio.toFixed(2)}:1, "${worst.text}" ${JSON.stringify(worst.fg)} on ${JSON.stringify(worst.bg)})`);
+    await shot(i ? `lab-untrusted-${name.replace(/\.ipynb$/, "")}` : "lab-untrusted",
+               page.locator(".jp-Notebook .jp-Cell").filter({ has: page.locator(".vram-report") }).first());
   }
 
   // ---------------------------------------------------------------- Notebook 7
