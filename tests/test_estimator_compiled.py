@@ -80,7 +80,7 @@ def gpt2_and_batch() -> tuple[nn.Module, dict]:
 
 @needs_support
 @pytest.mark.parametrize("which", ["GPT-2 (transformers)", "GPT-2 shape with a tied head, loss inside"])
-def test_compiled_gpt_within_five_percent_of_a_real_inductor_step(which):
+def test_compiled_gpt_within_two_percent_of_a_real_inductor_step(which):
     torch.manual_seed(0)
     model, inputs = gpt2_and_batch() if which.startswith("GPT-2 (") else (GPT(), batch())
     with warnings.catch_warnings():
@@ -90,7 +90,9 @@ def test_compiled_gpt_within_five_percent_of_a_real_inductor_step(which):
     est = vram_magic.estimate(torch.compile(model), inputs, device="cpu")
     eager = vram_magic.estimate(model, inputs, device="cpu")
     assert not est.partial, est.problem
-    assert abs(est.peak.total - real) / real < 0.05, (est.peak.total, real)
+    # the target is 5 %; Inductor's realized buffers and its peak-aware buffer reuse modelled, both read within
+    # 0.1 % on this machine (the hand-written one read +3.8 % before, counting the backward's compile)
+    assert abs(est.peak.total - real) / real < 0.02, (est.peak.total, real)
     assert any("compiled (torch.compile)" in n and "min-cut partitioner" in n and "the whole model" in n
                for n in est.notes)
     assert "compiled" not in " ".join(eager.notes)

@@ -5,17 +5,23 @@ the backward instead of saved), fuses chains of pointwise ops into one kernel th
 and frees each buffer as soon as it is used. The estimate compiles the fake model with TorchDynamo and
 AOTAutograd as Inductor does — Inductor's decompositions, its joint-graph passes, its min-cut partitioner and
 its post-grad passes (pattern rewrites such as ``mm`` + ``add`` into one ``addmm``, which decide when a
-gradient dies) — but instead of generating kernels it runs the partitioned forward and backward graphs op by op on fake
-tensors, with what Inductor's kernels do to memory on top: a pointwise result consumed only by pointwise ops
-and reductions is never counted (it lives inside a fused kernel); a kernel writes in place into a buffer of
-the same size that it reads for the last time (the saved activations are donated to the backward); a dead
-buffer that a later kernel of the same size takes stays allocated until then (Inductor's memory planning);
-every other value is freed after its last use (the graph's inputs too, as Inductor's boxed calling
-convention allows). Not modelled: the order in which Inductor's scheduler runs kernels (graph order is used),
-and its choice to materialize a pointwise value it would otherwise recompute many times.
+gradient dies) — but instead of generating kernels it runs the partitioned forward and backward graphs op by
+op on fake tensors, with what Inductor's kernels do to memory on top:
 
-The tracker ignores the compiler's own work (``ignore_compile_internals``) and sees the graphs' ops when
-they run.
+* which pointwise values are written to memory at all, as Inductor's lowering and fusion decide it (see
+  ``compiled_fusion.py``): the others live inside the kernels that read them, and what they read stays alive
+  until a kernel that recomputes them after a matmul has run;
+* a kernel writes in place into a buffer of the same size that it reads for the last time (the saved
+  activations are donated to the backward);
+* a dead buffer that a later kernel of the same size takes stays allocated until then when the graph's own
+  peak allows it (Inductor's memory planning);
+* on the CPU, graphs with convolutions run channels-last (``compiled_layout.py``);
+* every other value is freed after its last use (the graph's inputs too, as Inductor's boxed calling
+  convention allows).
+
+Not modelled: the order in which Inductor's scheduler runs kernels (graph order is used). The tracker ignores
+the compiler's own work (``ignore_compile_internals``, and AOTAutograd compiling the backward inside the
+step) and sees the graphs' ops when they run.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch
 from torch import nn
 
 from . import compiled_layout
+from .compiled_fusion import base_node, inlined_nodes, kernel_reads
 
 NOTE = ("compiled (torch.compile): activations saved for backward as AOTAutograd's min-cut partitioner decides "
         "them (with Inductor's decompositions and graph passes); the partitioned graphs run op by op on fake "
@@ -193,48 +200,12 @@ def graph_facts(gm: torch.fx.GraphModule) -> GraphFacts:
     last: dict[Any, int] = {}
     for node in gm.graph.nodes:
         if node.op == "output":
-            outputs.update(_base(n, kinds) for n in node.all_input_nodes)
+            outputs.update(base_node(n, kinds) for n in node.all_input_nodes)
         if kinds.get(node) != "view":
             for used in node.all_input_nodes:
-                base = _base(used, kinds)
+                base = base_node(used, kinds)
                 last[base] = max(last.get(base, -1), order[node])
     return GraphFacts(kinds, order, outputs, last)
-
-
-def virtual_nodes(gm: torch.fx.GraphModule, kinds: dict[Any, str]) -> set[Any]:
-    """The values Inductor computes inside the kernel that consumes them and never writes to memory: pointwise
-    results whose every consumer (through views) is a pointwise op or a reduction, and that leave the graph
-    neither as outputs nor as saved activations."""
-    outputs: set[Any] = set()
-    for node in gm.graph.nodes:
-        if node.op == "output":
-            outputs.update(node.all_input_nodes)
-
-    def consumers(node: Any) -> list[Any]:
-        out = []
-        for user in node.users:
-            if kinds.get(user) == "view":
-                if user in outputs:
-                    return [None]
-                out.extend(consumers(user))
-            else:
-                out.append(user)
-        return out
-
-    virtual = set()
-    for node, kind in kinds.items():
-        if kind != "pointwise" or node in outputs:
-            continue
-        users = consumers(node)
-        if users and all(u is not None and kinds.get(u) in ("pointwise", "reduction") for u in users):
-            virtual.add(node)
-    return virtual
-
-
-def _base(node: Any, kinds: dict[Any, str]) -> Any:
-    while kinds.get(node) == "view" and node.args and isinstance(node.args[0], torch.fx.Node):
-        node = node.args[0]
-    return node
 
 
 def _same_size(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -257,7 +228,7 @@ def reused_buffers(gm: torch.fx.GraphModule, virtual: set[Any], facts: GraphFact
 
     out: dict[Any, Any] = {}
     taken: set[Any] = set()
-    for node in gm.graph.nodes:
+    for node in order:
         if node in virtual or kinds.get(node) != "pointwise":
             continue
         val = node.meta.get("val")
@@ -266,14 +237,14 @@ def reused_buffers(gm: torch.fx.GraphModule, virtual: set[Any], facts: GraphFact
         kernel, stack = {node}, [node]
         while stack:  # the virtual values computed inside this kernel
             for used in stack.pop().all_input_nodes:
-                b = _base(used, kinds)
+                b = base_node(used, kinds)
                 if b in virtual and b not in kernel:
                     kernel.add(b)
                     stack.append(b)
         end = order[node]
         for k in sorted(kernel, key=order.__getitem__):
             for used in k.all_input_nodes:
-                b = _base(used, kinds)
+                b = base_node(used, kinds)
                 bval = b.meta.get("val")
                 if (b in kernel or b in taken or b in outputs or not donated(b) or last.get(b, -1) > end
                         or not isinstance(bval, torch.Tensor) or bval.dtype != val.dtype
@@ -288,10 +259,13 @@ def reused_buffers(gm: torch.fx.GraphModule, virtual: set[Any], facts: GraphFact
 
 
 def deferred_frees(gm: torch.fx.GraphModule, virtual: set[Any], inplace: dict[Any, Any],
-                   facts: GraphFacts) -> dict[Any, Any]:
+                   facts: GraphFacts, inputs: dict[Any, Any] | None = None) -> dict[Any, Any]:
     """``{node: buffer}``: Inductor's memory planning does not free a dead buffer when a later kernel can take
     it (same dtype and size); it stays allocated until that kernel writes into it. Which buffer each kernel
-    takes, planned as Inductor plans it: in graph order, the most recently freed buffer of the right size."""
+    takes, planned as Inductor plans it: in run order, the most recently freed buffer of the right size, kept
+    for it only when that kernel comes next or keeping it does not raise the graph's own peak
+    (``AllocateLine.should_reuse_buffer``); ``inputs``: the graph's input values, whose storages (views of one
+    buffer among them) the graph's peak counts once."""
     kinds, order, outputs, last = facts
     dies_at: dict[int, list[Any]] = {}
     for b, i in last.items():
@@ -316,18 +290,70 @@ def deferred_frees(gm: torch.fx.GraphModule, virtual: set[Any], inplace: dict[An
         except (TypeError, ValueError, RuntimeError):  # a symbolic size: never matched
             return val.dtype, id(b)
 
+    profile, kernel = _planned_profile(order, last, allocates, poolable, key, inputs or {})
+    peak = max(profile, default=0)
     pool: dict[tuple[Any, int], list[Any]] = {}
+    freed_at: dict[Any, int] = {}
     taken_inplace = set(inplace.values())
     out: dict[Any, Any] = {}
-    for node in gm.graph.nodes:
+    for node, i in order.items():
         if allocates(node) and node not in inplace:
             free = pool.get(key(node))
             if free:
-                out[node] = free.pop()
-        for b in dies_at.get(order[node], ()):
+                b = free[-1]
+                size = key(node)[1] if isinstance(key(node)[1], int) else 0
+                lo = freed_at[b] + 1
+                if kernel[i] == kernel[freed_at[b]] + 1 or max(profile[lo:i], default=0) + size <= peak:
+                    out[node] = free.pop()
+                    for p in range(lo, i):
+                        profile[p] += size
+        for b in dies_at.get(i, ()):
             if poolable(b) and b not in taken_inplace:
                 pool.setdefault(key(b), []).append(b)
+                freed_at[b] = i
     return out
+
+
+def _planned_profile(order: dict[Any, int], last: dict[Any, int], allocates: Any, poolable: Any,
+                     key: Any, inputs: dict[Any, Any]) -> tuple[list[int], list[int]]:
+    """The graph's own bytes at each position of the run (the freeable inputs, what its kernels allocate,
+    each freed after its last reader) as Inductor's peak estimate sees them, without buffers kept for reuse;
+    and each position's kernel number (consecutive kernels: the next one takes a buffer at no cost)."""
+    def size(b: Any) -> int:
+        n = key(b)[1]
+        return n if isinstance(n, int) and n < 1 << 62 else 0
+
+    # the freeable inputs, a storage once (saved views of one buffer), freed when its last view dies
+    storages: dict[int, list[Any]] = {}
+    for b in order:
+        if b.op == "placeholder" and poolable(b):
+            value = inputs.get(b)
+            try:
+                sid = id(value.untyped_storage()) if isinstance(value, torch.Tensor) else id(b)
+            except (RuntimeError, NotImplementedError):
+                sid = id(b)
+            storages.setdefault(sid, []).append(b)
+    frees: dict[int, int] = {}  # position -> bytes freed after it
+    current = 0
+    for views in storages.values():
+        n = max(size(b) for b in views)
+        current += n
+        i = max(last.get(b, order[b]) for b in views)
+        frees[i] = frees.get(i, 0) + n
+    for b, i in last.items():
+        if b.op != "placeholder" and poolable(b):
+            frees[i] = frees.get(i, 0) + size(b)
+    profile: list[int] = []
+    kernel: list[int] = []
+    k = 0
+    for node, i in order.items():
+        if allocates(node):  # a kernel writing in place takes over its input's bytes, freed with that input
+            k += 1
+            current += size(node)
+        profile.append(current)
+        kernel.append(k)
+        current -= frees.get(i, 0)
+    return profile, kernel
 
 
 def _post_grad(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool) -> None:
@@ -371,21 +397,25 @@ def _runner(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool = 
 
 def _make_runner(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool) -> Any:
     _post_grad(gm, example_inputs, is_inference)
+    device = ACTIVE[-1].target if ACTIVE else "cuda"  # the device the step is estimated for
     nodes = list(gm.graph.nodes)
-    last_use: dict[Any, list[Any]] = {}
-    seen: set[Any] = set()
-    for node in reversed(nodes):
-        for used in node.all_input_nodes:
-            if used not in seen:
-                seen.add(used)
-                last_use.setdefault(node, []).append(used)
-    map_arg = torch.fx.node.map_arg
     facts = graph_facts(gm)
-    virtual = virtual_nodes(gm, facts.kinds)
+    virtual = inlined_nodes(gm, facts.kinds, device)
+    # a value computed inside a kernel reads its inputs where that kernel runs: they live until then
+    reads = kernel_reads(gm, facts.kinds, virtual)
+    drop = {used: facts.order[node] for node in nodes for used in node.all_input_nodes}
+    for node, loaded in reads.items():
+        for used in loaded:
+            drop[used] = max(drop.get(used, -1), facts.order[node])
+            b = base_node(used, facts.kinds)
+            facts.last[b] = max(facts.last.get(b, -1), facts.order[node])
+    last_use: dict[Any, list[Any]] = {}
+    for used, i in drop.items():
+        last_use.setdefault(nodes[i], []).append(used)
+    map_arg = torch.fx.node.map_arg
     reuse = reused_buffers(gm, virtual, facts)
-    deferred = deferred_frees(gm, virtual, reuse, facts)
-    kept = set(deferred.values())
-    layout = compiled_layout.applies(gm, ACTIVE[-1].target if ACTIVE else "cuda")  # channels-last convolutions
+    plan: list[dict[Any, Any]] = []  # deferred_frees, planned at the first run: it reads the inputs' storages
+    layout = compiled_layout.applies(gm, device)  # channels-last convolutions
     converted = compiled_layout.converted_inputs(gm) if layout else set()
     weight_grads = compiled_layout.weight_gradients(gm) if layout else set()
 
@@ -403,6 +433,12 @@ def _make_runner(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bo
         holding: dict[Any, Any] = {}  # dead buffers kept for the kernel that will write into them
         values = list(args)
         args.clear()
+        if not plan:
+            inputs = dict(zip([n for n in nodes if n.op == "placeholder"], values))
+            plan.append(deferred_frees(gm, virtual, reuse, facts, inputs))
+            inputs.clear()
+        deferred = plan[0]
+        kept = set(deferred.values())
         env: dict[Any, Any] = {}
         i = 0
         for node in nodes:
