@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -12,93 +10,11 @@ if TYPE_CHECKING:
 
     from .trace import Trace
 
-CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "kv_cache", "other")
-LABELS: dict[str, str] = {
-    "parameters": "parameters",
-    "gradients": "gradients",
-    "optimizer_state": "optimizer state",
-    "activations": "activations",
-    "kv_cache": "KV cache",
-    "other": "other",
-}
-#: categories that tables, legends and columns show only where some breakdown in view has them
-OPTIONAL: frozenset[str] = frozenset({"kv_cache"})
-
-
-def shown_categories(*breakdowns: Mapping[str, int] | None) -> tuple[str, ...]:
-    """The categories a view of these breakdowns shows: all of them, less an optional one (the KV cache) that
-    every breakdown has at zero, so views of training cells keep their five columns."""
-    present = [b for b in breakdowns if b is not None]
-    return tuple(c for c in CATEGORIES if c not in OPTIONAL or any(b.get(c, 0) for b in present))
-
-
-@dataclass(frozen=True)
-class Breakdown(Mapping[str, int]):
-    """Bytes per category; the six categories (``kv_cache`` zero where nothing generates) add up to :attr:`total`.
-
-    ``detail`` refines them: ``(category, label, bytes)`` rows such as ``("other", "x", 4096)`` for a tensor
-    held by the variable ``x`` or ``("activations", "graph held by loss", ...)``.
-    """
-
-    parameters: int = 0
-    gradients: int = 0
-    optimizer_state: int = 0
-    activations: int = 0
-    kv_cache: int = 0
-    other: int = 0
-    detail: tuple[tuple[str, str, int], ...] = ()
-
-    def __getitem__(self, key: str) -> int:
-        if key not in CATEGORIES:
-            raise KeyError(key)
-        return int(getattr(self, key))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(CATEGORIES)
-
-    def __len__(self) -> int:
-        return len(CATEGORIES)
-
-    @property
-    def total(self) -> int:
-        return sum(self[c] for c in CATEGORIES)
-
-    @property
-    def trainable(self) -> int:
-        """Bytes of parameters that train: all of them less the rows named frozen (``requires_grad=False``, and
-        quantized weights, which never train)."""
-        return self.parameters - sum(n for c, label, n in self.detail if c == "parameters" and "(frozen" in label)
-
-    def details(self, category: str | None = None) -> dict[str, int]:
-        """``{label: bytes}`` of the detail rows, optionally of one category only."""
-        out: dict[str, int] = {}
-        for cat, label, n in self.detail:
-            if category is None or cat == category:
-                out[label] = out.get(label, 0) + n
-        return out
-
-    def __sub__(self, other: Breakdown) -> Breakdown:
-        rows: dict[tuple[str, str], int] = {}
-        for cat, label, n in self.detail:
-            rows[(cat, label)] = rows.get((cat, label), 0) + n
-        for cat, label, n in other.detail:
-            rows[(cat, label)] = rows.get((cat, label), 0) - n
-        return Breakdown(
-            **{c: self[c] - other[c] for c in CATEGORIES},
-            detail=tuple((c, lab, n) for (c, lab), n in rows.items() if n),
-        )
-
-    @classmethod
-    def from_rows(cls, rows: Mapping[tuple[str, str], int]) -> Breakdown:
-        """Build from ``{(category, label): bytes}``."""
-        sums = dict.fromkeys(CATEGORIES, 0)
-        for (cat, _), n in rows.items():
-            sums[cat] += n
-        detail = tuple(sorted([(c, lab, n) for (c, lab), n in rows.items() if n], key=itemgetter(2), reverse=True))
-        return cls(**sums, detail=detail)
-
-    def as_dict(self) -> dict[str, int]:
-        return {c: self[c] for c in CATEGORIES}
+from .breakdown import CATEGORIES as CATEGORIES
+from .breakdown import LABELS as LABELS
+from .breakdown import OPTIONAL as OPTIONAL
+from .breakdown import Breakdown as Breakdown
+from .breakdown import shown_categories as shown_categories
 
 
 @dataclass(frozen=True)

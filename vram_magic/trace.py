@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .report import CATEGORIES, Breakdown
+from .breakdown import CATEGORIES, Breakdown
 
 Frame = tuple[str, int, str]  # (filename, line, function)
 
