@@ -102,7 +102,7 @@ def test_longest_prompt_and_largest_batch_are_self_consistent():
 
     model = small_llama()  # estimates hold the model weakly: keep it for the re-runs below
     est = vram_magic.estimate(model, ids(), generate=8, device="cpu", budget="40MiB", max_seq=True, max_batch=True)
-    request, target = est.rerun
+    request, target = est.rerun.request, est.rerun.target
     spec = spec_of(est)
 
     def fits(**size: int) -> bool:

@@ -1,4 +1,5 @@
-"""Byte sizes: parsing what users type and printing in binary units (as nvidia-smi and PyTorch do)."""
+"""Byte sizes: parsing what users type and printing in binary units (as nvidia-smi and PyTorch do); counts as
+people say them."""
 
 from __future__ import annotations
 
@@ -78,3 +79,12 @@ def format_bytes(n: int | float, *, signed: bool = False) -> str:
         unit += 1
     digits = 2 if value < 10 else (1 if value < 100 else 0)
     return f"{sign}{value:.{digits}f} {_BINARY[unit]}"
+
+
+def format_count(n: int) -> str:
+    """``1_234`` → ``1.2 K``, ``6_738_415_616`` → ``6.74 B``: counts (of parameters) as people say them."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.{2 if value < 10 else 1}f} {unit}"
+    return str(n)

@@ -6,9 +6,10 @@ modelled on top. See :func:`estimate`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
-from .core import Target, evaluate, make_target, search_max
+from .core import StepRerun, Target, make_target, search_max
 from .cuda_model import CudaModel
 from .gpus import GPU, GPUS, find_gpu
 from .options import make_options
@@ -105,37 +106,39 @@ def estimate(
     from .fake import check_inputs
 
     check_inputs(inputs)
-    request = Request(model, inputs, loss_fn)
-    est = evaluate(request, opts, target)
-    est = _with(est, rerun=(request, target))
-    if max_batch:
-        est = _with(est, max_batch=find_max_batch(est, progress=progress))
-    if max_seq:
-        est = _with(est, max_seq=find_max_batch(est, dim=1, progress=progress))
-    if what_if:
-        from .strategies import what_if as _what_if
+    est = StepRerun(Request(model, inputs, loss_fn), target).evaluate(opts)
+    return follow_ups(est, what_if=what_if, max_batch=max_batch, max_seq=max_seq, progress=progress)
 
-        est = _with(est, strategies=tuple(_what_if(est)))
+
+def follow_ups(est: Estimate, *, what_if: bool = False, max_batch: bool = False, max_seq: bool = False,
+             progress: Callable[[str], None] | None = None) -> Estimate:
+    """A step's estimate with the follow-ups asked for: the largest batch, the longest sequence, the what-if
+    table (each made by re-running the estimate with other options)."""
+    if max_batch:
+        est = replace(est, max_batch=find_max_batch(est, progress=progress))
+    if max_seq:
+        est = replace(est, max_seq=find_max_batch(est, dim=1, progress=progress))
+    if what_if:
+        est = replace(est, strategies=tuple(est.rerunnable().what_if(est)))
     return est
 
 
 def find_max_batch(est: Estimate, *, dim: int = 0, progress: Callable[[str], None] | None = None) -> int:
     """The largest batch (``dim=0``) or sequence length (``dim=1``) whose step fits the estimate's
     capacity, by doubling and bisection on fake runs."""
-    if est.rerun is None or est.options is None:
-        raise ValueError("this estimate cannot be re-run (it was not made by vram_magic.estimate)")
-    request, target = est.rerun
-    if target.capacity is None:
+    rerun = est.rerunnable()
+    if est.capacity is None:
         raise ValueError("a capacity is needed: estimate with gpu='…' or budget='…'")
     start = est.batch if dim == 0 else est.seq
     if start is None:
         raise ValueError(f"the inputs have no dimension {dim} to grow")
     key = "batch" if dim == 0 else "seq"
+    opts = est.options
+    assert opts is not None
 
     def fits(n: int) -> bool:
-        opts = est.options.with_(**{key: n})  # type: ignore[union-attr]
         try:
-            e = evaluate(request, opts, target)
+            e = rerun.evaluate(opts.with_(**{key: n}))
         except EstimateError:
             return False
         return bool(e.fits)
@@ -144,10 +147,5 @@ def find_max_batch(est: Estimate, *, dim: int = 0, progress: Callable[[str], Non
     return best
 
 
-def _with(est: Estimate, **changes: Any) -> Estimate:
-    from dataclasses import replace
-
-    return replace(est, **changes)
-
 __all__ = ["GPU", "GPUS", "CudaModel", "Estimate", "EstimateError", "Strategy", "Target", "estimate",
-           "find_gpu", "find_max_batch", "make_target", "search_max"]
+           "find_max_batch", "find_gpu", "make_target", "search_max"]

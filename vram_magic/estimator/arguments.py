@@ -197,29 +197,13 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
 
 def estimate_with_batch(model: Any, inputs: Any, batch: int, kwargs: dict[str, Any]) -> Any:
     """--input with --batch: the inputs' batch dimension resized before the run."""
-    from dataclasses import replace
+    from . import estimate, follow_ups
 
-    from . import estimate
-    from .core import evaluate
-
-    if kwargs.get("generate") is not None:  # generate= (generate_estimate.py)
-        from .generate_estimate import generate_with_batch
-
-        return generate_with_batch(model, inputs, batch, kwargs)
+    asked = {k: bool(kwargs.get(k)) for k in ("what_if", "max_batch", "max_seq")}
     first = estimate(model, inputs, **{**kwargs, "what_if": False, "max_batch": False, "max_seq": False})
-    request, target = first.rerun
-    opts = first.options.with_(batch=batch)
-    est = replace(evaluate(request, opts, target), rerun=(request, target))
-    if kwargs.get("max_batch"):
-        from . import find_max_batch
+    est = first.rerunnable().evaluate(first.options.with_(batch=batch))
+    if est.generation is not None:  # generate= (generate_estimate.py)
+        from .generate_estimate import generate_follow_ups
 
-        est = replace(est, max_batch=find_max_batch(est, progress=kwargs.get("progress")))
-    if kwargs.get("max_seq"):
-        from . import find_max_batch
-
-        est = replace(est, max_seq=find_max_batch(est, dim=1, progress=kwargs.get("progress")))
-    if kwargs.get("what_if"):
-        from .strategies import what_if
-
-        est = replace(est, strategies=tuple(what_if(est)))
-    return est
+        return generate_follow_ups(est, **asked, progress=kwargs.get("progress"))
+    return follow_ups(est, **asked, progress=kwargs.get("progress"))

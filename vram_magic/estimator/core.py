@@ -4,7 +4,7 @@ find the peak, split it by category, and check it against the GPU."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..report import Breakdown
@@ -12,10 +12,10 @@ from ..trace import alive_after
 from ..units import parse_size
 from .cuda_model import CudaModel, allocator_layout
 from .gpus import GPU, find_gpu
-from .options import Options
-from .result import Estimate
+from .options import Options, optimizer_name, short_dtype
+from .result import Estimate, Strategy
 from .run import Request, StepTrace, trace_step
-from .sharding import sharding_for
+from .sharding import Sharding, sharding_for
 
 
 @dataclass(frozen=True)
@@ -77,115 +77,66 @@ def evaluate(request: Request, opts: Options, target: Target, *, model_name: str
     return from_trace(trace, opts, target, model_name=model_name or request.source.name)
 
 
+@dataclass(frozen=True, eq=False)
+class StepRerun:
+    """What makes a step's estimate again with other options: the request (the model's source, held weakly when
+    it is a module; the inputs as shapes; the loss) and the target. Kept beside an estimate's numbers
+    (``Estimate.rerun``) for the what-if table and the batch and sequence searches."""
+
+    request: Request
+    target: Target
+
+    def evaluate(self, opts: Options) -> Estimate:
+        return replace(evaluate(self.request, opts, self.target), rerun=self)
+
+    def what_if(self, est: Estimate) -> list[Strategy]:
+        from .strategies import what_if
+
+        return what_if(est)
+
+
+#: the note every CUDA estimate carries
+CUDA_NOTE = ("CUDA is modelled: tensors are traced on fake CPU tensors with the optimizer CUDA would use; PyTorch's "
+             "caching allocator is simulated (block sizes, segments, reserved memory); cuBLAS and cuDNN workspaces "
+             "and the CUDA context are modelled constants")
+
+
 def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: str = "") -> Estimate:
+    """The traced step replayed with the sizes one rank of the target device holds: its peak by category,
+    what the device needs and whether it fits."""
     cuda = opts.device == "cuda"
-    cm = target.cuda
-    sizes = dict(trace.sizes)
-    modelled: dict[str, int] = {}
-    notes: list[str] = list(trace.notes)
-    if cuda:
-        if not trace.fused:
-            for s in trace.host_scalars:  # Adam's `step` counters live on the host unless fused/capturable
-                sizes[s] = 0
-    state_bytes = sum(sizes[s] for s, (cat, _) in trace.owner.items() if cat == "optimizer_state" and s in sizes)
     sharding = sharding_for(opts.zero, opts.world, trace.unit_param_bytes, trace.param_bytes)
-    if sharding is not None or opts.offload:
-        for s, (cat, label) in trace.owner.items():
-            if opts.offload and (cat == "optimizer_state" or label == "optimizer temporaries"):
-                sizes[s] = 0
-            elif sharding is not None and sharding.divides(cat, label):
-                sizes[s] = -(-sizes[s] // sharding.world)
-    spikes: dict[int, int] = {}
-    spike_label = ""
-    if cuda:
-        if trace.convs and cm.cudnn_workspace:
-            spikes = {i: cm.cudnn_workspace for i, _, _ in trace.convs}
-            spike_label = "cuDNN workspace (modelled)"
-    elif trace.convs:
-        from .scratch import conv_scratch
-
-        spikes = conv_scratch(trace.convs)
-        spike_label = "kernel scratch (oneDNN convolutions measured per layer, GEMM operand copies)"
-    if trace.rnns:  # oneDNN LSTM/GRU layers: the real workspace (a proxy for cuDNN's reserve on CUDA)
-        from .scratch import rnn_sizes
-
-        workspaces, rnn_spikes = rnn_sizes(trace.rnns)
-        for s, n in workspaces.items():
-            sizes[s] = n
-        if not cuda:
-            for i, n in rnn_spikes.items():
-                spikes[i] = spikes.get(i, 0) + n
-            spike_label = spike_label or "kernel scratch (oneDNN recurrent layers, measured)"
-    if not cuda:
-        for i, n in trace.copies:
-            spikes[i] = spikes.get(i, 0) + n
-        if trace.copies and not spike_label:
-            spike_label = "kernel scratch (GEMM operand copies)"
-        if trace.gemms:
-            from .scratch import gemm_scratch
-
-            for i, n in gemm_scratch(trace.gemms).items():
-                spikes[i] = spikes.get(i, 0) + n
-            spike_label = spike_label or "kernel scratch (half-precision GEMMs measured per shape)"
-    states = model_states(trace, opts, sharding, state_bytes)
+    sizes, state_bytes = rank_sizes(trace, opts, sharding)
+    spikes, spike_label = kernel_scratch(trace, cuda, target.cuda, sizes)
+    notes: list[str] = list(trace.notes)
     if opts.master_weights:
         notes.append(_master_note(opts, sharding))
     buffers = sharding.buffers(not opts.inference) if sharding is not None else {}
     # FSDP/ZeRO gather and reduce during the forward and backward of a step; none is alive in the update
     window = (trace.marks.get("step_start", 0), trace.marks.get("backward_end", len(trace.events)),
               sum(buffers.values()))
-    layout = None
-    workspace, workspace_note = cm.workspace(target.gpu) if cuda else (0, "")
-    handles = (1 if opts.inference else 2) if cuda and trace.uses_matmul else 0
-    if cuda:  # the caching allocator, simulated: block sizes, segments, what it reserves
-        layout = allocator_layout(trace.initial, trace.events, sizes, persistent=[workspace] * handles,
-                                  spikes=spikes, window=window)
-        sizes = {s: layout.blocks.get(s, n) for s, n in sizes.items()}
-    index, _, spike = replay(trace, sizes, spikes, window)
-    rows = rows_at(trace, sizes, index)
-    in_window = window[0] <= index <= window[1]
-    spike -= window[2] if in_window else 0
-    if spike:
-        rows[("other", spike_label)] = spike
-        modelled[spike_label] = spike
-    if handles:
-        ws = workspace * handles
-        rows[("other", "cuBLAS workspaces (modelled)")] = ws
-        modelled["cuBLAS workspaces"] = ws
-        if target.gpu is None and workspace_note:
-            notes.append(workspace_note)
-    if in_window:
-        for label, n in buffers.items():
-            if n:
-                rows[("other", f"{label} (modelled)")] = n
-                modelled[label] = n
+    gpu = cuda_side(trace, opts, target, sizes, spikes, window) if cuda else None
+    if gpu is not None:
+        sizes = gpu.sizes
+        notes.extend(gpu.notes)
+    rows, modelled = peak_rows(trace, sizes, (spikes, spike_label), window, buffers, gpu)
     peak = Breakdown.from_rows(rows)
     fwd_index = trace.marks.get("forward_end", len(trace.events))
-    after_forward = Breakdown.from_rows(rows_at(trace, sizes, fwd_index))
-    top: dict[str, int] = {}
-    for s in alive_at(trace, fwd_index):
-        if trace.owner.get(s, ("",))[0] == "activations":
-            name = trace.module.get(s) or "(outside modules)"
-            top[name] = top.get(name, 0) + sizes[s]
-    top_modules = tuple(sorted(top.items(), key=lambda kv: -kv[1])[:8])
-    reserved = max(layout.peak_reserved, peak.total) if layout is not None else peak.total
-    context = cm.context if cuda else 0
+    reserved = max(gpu.reserved, peak.total) if gpu is not None else peak.total
+    context = gpu.context if gpu is not None else 0
     needed = reserved + context
     capacity = target.capacity
-    fits = None if capacity is None else needed <= capacity
     if trace.problem:
         notes.append(trace.problem)
-    if cuda:
-        notes.append("CUDA is modelled: tensors are traced on fake CPU tensors with the optimizer CUDA would use; "
-                     "PyTorch's caching allocator is simulated (block sizes, segments, reserved memory); cuBLAS and "
-                     "cuDNN workspaces and the CUDA context are modelled constants")
+    if gpu is not None:
+        notes.append(CUDA_NOTE)
     return Estimate(
         model=model_name,
         description=opts.describe(),
         device=opts.device,
         peak=peak,
-        after_forward=after_forward,
-        top_modules=top_modules,
+        after_forward=Breakdown.from_rows(rows_at(trace, sizes, fwd_index)),
+        top_modules=top_modules(trace, sizes, fwd_index),
         flops=dict(trace.flops),
         batch=trace.batch,
         seq=trace.seq,
@@ -196,19 +147,133 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
         reserved=reserved,
         context=context,
         needed=needed,
-        fits=fits,
+        fits=None if capacity is None else needed <= capacity,
         partial=trace.problem is not None,
         problem=trace.problem,
         modelled=tuple(modelled.items()),
         notes=tuple(notes),
         wall_time=trace.wall,
         loss=trace.loss,
-        model_states=states,
+        model_states=model_states(trace, opts, sharding, state_bytes),
         options=opts,
     )
 
 
-def model_states(trace: StepTrace, opts: Options, sharding: Any, state_bytes: int) -> int:
+def rank_sizes(trace: StepTrace, opts: Options, sharding: Sharding | None) -> tuple[dict[int, int], int]:
+    """Each storage's bytes on one rank of the device (Adam's ``step`` counters on the host with CUDA unless the
+    optimizer is fused or capturable; the sharded share under ZeRO; optimizer state offloaded to the host), and
+    the optimizer state's bytes before sharding and offload."""
+    sizes = dict(trace.sizes)
+    if opts.device == "cuda" and not trace.fused:
+        for s in trace.host_scalars:
+            sizes[s] = 0
+    state_bytes = sum(sizes[s] for s, (cat, _) in trace.owner.items() if cat == "optimizer_state" and s in sizes)
+    if sharding is not None or opts.offload:
+        for s, (cat, label) in trace.owner.items():
+            if opts.offload and (cat == "optimizer_state" or label == "optimizer temporaries"):
+                sizes[s] = 0
+            elif sharding is not None and sharding.divides(cat, label):
+                sizes[s] = -(-sizes[s] // sharding.world)
+    return sizes, state_bytes
+
+
+def kernel_scratch(trace: StepTrace, cuda: bool, cm: CudaModel, sizes: dict[int, int]) -> tuple[dict[int, int], str]:
+    """What kernels allocate and free inside one op (``{events applied: bytes}``) and what it is called: on CUDA
+    the modelled cuDNN workspace of each convolution, on the CPU what oneDNN and the GEMMs were measured to use.
+    The recurrent layers' workspaces (a proxy for cuDNN's reserve on CUDA) are set in ``sizes``."""
+    rnn_spikes: dict[int, int] = {}
+    if trace.rnns:
+        from .scratch import rnn_sizes
+
+        workspaces, rnn_spikes = rnn_sizes(trace.rnns)
+        sizes.update(workspaces)
+    if cuda:
+        if trace.convs and cm.cudnn_workspace:
+            return {i: cm.cudnn_workspace for i, _, _ in trace.convs}, "cuDNN workspace (modelled)"
+        return {}, ""
+    spikes: dict[int, int] = {}
+    label = ""
+    if trace.convs:
+        from .scratch import conv_scratch
+
+        spikes = conv_scratch(trace.convs)
+        label = "kernel scratch (oneDNN convolutions measured per layer, GEMM operand copies)"
+    extra = list(rnn_spikes.items()) + list(trace.copies)
+    if trace.gemms:
+        from .scratch import gemm_scratch
+
+        extra += list(gemm_scratch(trace.gemms).items())
+    for i, n in extra:
+        spikes[i] = spikes.get(i, 0) + n
+    if trace.rnns:
+        label = label or "kernel scratch (oneDNN recurrent layers, measured)"
+    if trace.copies:
+        label = label or "kernel scratch (GEMM operand copies)"
+    if trace.gemms:
+        label = label or "kernel scratch (half-precision GEMMs measured per shape)"
+    return spikes, label
+
+
+@dataclass(frozen=True)
+class CudaSide:
+    """What the CUDA model makes of a traced step: each storage's block in the simulated caching allocator, the
+    peak it reserves, the cuBLAS workspaces, the context, and the notes about them."""
+
+    sizes: dict[int, int]
+    reserved: int
+    workspaces: int
+    context: int
+    notes: tuple[str, ...]
+
+
+def cuda_side(trace: StepTrace, opts: Options, target: Target, sizes: dict[int, int], spikes: dict[int, int],
+              window: tuple[int, int, int]) -> CudaSide:
+    cm = target.cuda
+    workspace, workspace_note = cm.workspace(target.gpu)
+    handles = (1 if opts.inference else 2) if trace.uses_matmul else 0  # the forward's thread and autograd's
+    layout = allocator_layout(trace.initial, trace.events, sizes, persistent=[workspace] * handles, spikes=spikes,
+                              window=window)
+    blocks = {s: layout.blocks.get(s, n) for s, n in sizes.items()}
+    notes = (workspace_note,) if handles and target.gpu is None and workspace_note else ()
+    return CudaSide(blocks, layout.peak_reserved, workspace * handles, cm.context, notes)
+
+
+def peak_rows(trace: StepTrace, sizes: dict[int, int], scratch: tuple[dict[int, int], str],
+              window: tuple[int, int, int], buffers: dict[str, int],
+              gpu: CudaSide | None) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
+    """``(rows, modelled)`` at the peak: ``(category, label) → bytes`` of what is alive with the modelled parts
+    added (kernel scratch, cuBLAS workspaces, collective buffers), and the modelled parts by label."""
+    spikes, spike_label = scratch
+    index, _, spike = replay(trace, sizes, spikes, window)
+    rows = rows_at(trace, sizes, index)
+    modelled: dict[str, int] = {}
+    in_window = window[0] <= index <= window[1]
+    spike -= window[2] if in_window else 0
+    if spike:
+        rows[("other", spike_label)] = spike
+        modelled[spike_label] = spike
+    if gpu is not None and gpu.workspaces:
+        rows[("other", "cuBLAS workspaces (modelled)")] = gpu.workspaces
+        modelled["cuBLAS workspaces"] = gpu.workspaces
+    if in_window:
+        for label, n in buffers.items():
+            if n:
+                rows[("other", f"{label} (modelled)")] = n
+                modelled[label] = n
+    return rows, modelled
+
+
+def top_modules(trace: StepTrace, sizes: dict[int, int], index: int) -> tuple[tuple[str, int], ...]:
+    """The eight modules whose activations hold the most after ``index`` events (the end of the forward)."""
+    top: dict[str, int] = {}
+    for s in alive_at(trace, index):
+        if trace.owner.get(s, ("",))[0] == "activations":
+            name = trace.module.get(s) or "(outside modules)"
+            top[name] = top.get(name, 0) + sizes[s]
+    return tuple(sorted(top.items(), key=lambda kv: -kv[1])[:8])
+
+
+def model_states(trace: StepTrace, opts: Options, sharding: Sharding | None, state_bytes: int) -> int:
     """Bytes of parameters, gradients and optimizer state one rank holds for the whole step (the ZeRO paper's
     *model states*), whatever is alive at the peak."""
     if opts.inference:
@@ -221,9 +286,7 @@ def model_states(trace: StepTrace, opts: Options, sharding: Any, state_bytes: in
     return params + grads + state
 
 
-def _master_note(opts: Options, sharding: Any) -> str:
-    from .options import optimizer_name, short_dtype
-
+def _master_note(opts: Options, sharding: Sharding | None) -> str:
     half = short_dtype(opts.dtype)
     text = (f"mixed precision with fp32 master weights: {half} weights and gradients in the model, an fp32 copy of "
             f"the weights and the {optimizer_name(opts.optimizer)} state in the optimizer (with Adam 2 + 2 + 12 "

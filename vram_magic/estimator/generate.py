@@ -22,12 +22,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..engine.kv_cache import KV_CACHE, kv_cache_tensors
 from ..engine.registry import LiveStorages
+from .adapt import adapt
 from .fake import from_specs, resize, size_of
 from .frameworks import estimating, not_tracing
 from .generate_facts import GenerateSpec
 from .generate_loop import Plan, can_jump, decoding
 from .options import Options, short_dtype
-from .quantize import adapt, count_parameters, parameter_labels
+from .quantize import count_parameters, parameter_labels
 from .run import EstimateError, Request, StepTrace
 from .tracer import FAKE_PROBLEMS, FORWARD
 

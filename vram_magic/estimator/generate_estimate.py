@@ -5,16 +5,16 @@ CUDA what the allocator reserves for a cache that grows one token at a time."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..units import format_bytes
 from .core import Target, from_trace
 from .generate import GROWTH, KV, MARK, describe, make_spec, trace_generate
 from .generate_cuda import DEFAULT_CAPABILITY, kernel_note, unrolled_reserved
-from .generate_facts import GenerateSpec, Generation
+from .generate_facts import GenerateSpec, Generation, spec_of
 from .options import Options
-from .result import Estimate
+from .result import Estimate, Strategy
 from .run import EstimateError, Request, StepTrace
 
 #: training options that mean nothing for generate() (their defaults)
@@ -179,6 +179,26 @@ def loop_note(facts: dict[str, Any], spec: GenerateSpec) -> str:
     return how
 
 
+@dataclass(frozen=True, eq=False)
+class GenerateRerun:
+    """What makes an estimate of ``generate()`` again with other options or another spec: the request (the model's
+    source, held weakly when it is a module; the prompt as shapes), the target and the spec. Kept beside an
+    estimate's numbers (``Estimate.rerun``) for the what-if table and the prompt and batch searches."""
+
+    request: Request
+    target: Target
+    spec: GenerateSpec
+
+    def evaluate(self, opts: Options, **spec_changes: Any) -> Estimate:
+        rerun = replace(self, spec=replace(self.spec, **spec_changes)) if spec_changes else self
+        return replace(evaluate_generate(self.request, opts, rerun.spec, self.target), rerun=rerun)
+
+    def what_if(self, est: Estimate) -> list[Strategy]:
+        from .generate_whatif import generate_what_if
+
+        return generate_what_if(est)
+
+
 def estimate_generate(model: Any, inputs: Any, opts: Options, target: Target, *, new_tokens: Any,
                       cache_implementation: Any = None, num_beams: Any = 1, what_if: bool = False,
                       max_seq: bool = False, max_batch: bool = False,
@@ -191,39 +211,20 @@ def estimate_generate(model: Any, inputs: Any, opts: Options, target: Target, *,
     from .fake import check_inputs
 
     check_inputs(inputs)
-    opts = opts.with_(inference=True)
-    request = Request(without_init(model), inputs)
-    est = evaluate_generate(request, opts, spec, target)
-    est = replace(est, rerun=(request, target), options=opts)
+    est = GenerateRerun(Request(without_init(model), inputs), target, spec).evaluate(opts.with_(inference=True))
+    return generate_follow_ups(est, what_if=what_if, max_seq=max_seq, max_batch=max_batch, progress=progress)
+
+
+def generate_follow_ups(est: Estimate, *, what_if: bool = False, max_seq: bool = False, max_batch: bool = False,
+                        progress: Callable[[str], None] | None = None) -> Estimate:
+    """An estimate of ``generate()`` with the follow-ups asked for: the longest prompt and the largest batch that
+    fit, the what-if table (each made by re-running the estimate)."""
     if max_seq or max_batch:
         from .generate_search import with_search
 
         est = with_search(est, max_seq=max_seq, max_batch=max_batch, progress=progress)
     if what_if:
-        from .generate_whatif import generate_what_if
-
-        est = replace(est, strategies=tuple(generate_what_if(est)))
-    return est
-
-
-def generate_with_batch(model: Any, inputs: Any, batch: int, kwargs: dict[str, Any]) -> Estimate:
-    """``--input`` with ``--batch`` and ``--generate``: the inputs' batch dimension resized before the run."""
-    from . import estimate
-
-    first = estimate(model, inputs, **{**kwargs, "what_if": False, "max_batch": False, "max_seq": False})
-    request, target = first.rerun
-    opts = first.options.with_(batch=batch)  # type: ignore[union-attr]
-    est = evaluate_generate(request, opts, spec_of(first), target)
-    est = replace(est, rerun=(request, target), options=opts)
-    if kwargs.get("max_seq") or kwargs.get("max_batch"):
-        from .generate_search import with_search
-
-        est = with_search(est, max_seq=bool(kwargs.get("max_seq")), max_batch=bool(kwargs.get("max_batch")),
-                          progress=kwargs.get("progress"))
-    if kwargs.get("what_if"):
-        from .generate_whatif import generate_what_if
-
-        est = replace(est, strategies=tuple(generate_what_if(est)))
+        est = replace(est, strategies=tuple(est.rerunnable().what_if(est)))
     return est
 
 
@@ -252,11 +253,5 @@ def without_init(model: Any) -> Any:
     return build
 
 
-def spec_of(est: Estimate) -> GenerateSpec:
-    gen = est.generation
-    if gen is None:
-        raise ValueError("this estimate is not of generate(): estimate with generate=N")
-    return GenerateSpec(gen.new_tokens, gen.cache_implementation, gen.beams, gen.do_sample)
-
-
-__all__ = ["check_training_options", "estimate_generate", "evaluate_generate", "loop_note", "spec_of"]
+__all__ = ["GenerateRerun", "check_training_options", "estimate_generate", "evaluate_generate", "generate_follow_ups",
+           "loop_note", "spec_of"]

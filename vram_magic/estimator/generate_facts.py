@@ -4,6 +4,10 @@ the loop was modelled. Plain numbers (bytes), no tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .result import Estimate
 
 
 @dataclass(frozen=True)
@@ -67,4 +71,12 @@ class Generation:
         return self.flops_prefill + self.flops_decode * max(self.new_tokens - 1, 0)
 
 
-__all__ = ["GenerateSpec", "Generation"]
+def spec_of(est: Estimate) -> GenerateSpec:
+    """The spec an estimate of ``generate()`` was made with, read from its ``generation`` facts."""
+    gen = est.generation
+    if gen is None:
+        raise ValueError("this estimate is not of generate(): estimate with generate=N")
+    return GenerateSpec(gen.new_tokens, gen.cache_implementation, gen.beams, gen.do_sample)
+
+
+__all__ = ["GenerateSpec", "Generation", "spec_of"]

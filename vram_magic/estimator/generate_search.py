@@ -26,15 +26,12 @@ MAX_TRIALS = 8
 
 
 def _runner(est: Estimate, key: str, progress: Callable[[str], None] | None) -> Callable[[int], int | None]:
-    from .generate_estimate import evaluate_generate, spec_of
-
-    if est.rerun is None or est.options is None:
-        raise ValueError("this estimate cannot be re-run (it was not made by vram_magic.estimate)")
-    request, target = est.rerun
-    if target.capacity is None:
+    rerun = est.rerunnable()
+    capacity, opts = est.capacity, est.options
+    if capacity is None:
         raise ValueError("max_seq/max_batch need a capacity: estimate with gpu='A100-80GB' (or another known GPU) "
                          "or budget='24GiB'")
-    spec = spec_of(est)
+    assert opts is not None
     word = "prompt" if key == "seq" else "batch"
     seen: dict[int, int | None] = {}
 
@@ -42,13 +39,13 @@ def _runner(est: Estimate, key: str, progress: Callable[[str], None] | None) -> 
         if n in seen:
             return seen[n]
         try:
-            e = evaluate_generate(request, est.options.with_(**{key: n}), spec, target)  # type: ignore[union-attr]
+            e = rerun.evaluate(opts.with_(**{key: n}))
             got: int | None = e.needed
         except (EstimateError, MemoryError):
             got = None
         seen[n] = got
         if progress is not None:
-            verdict = "failed" if got is None else ("fits" if got <= target.capacity else "does not fit")
+            verdict = "failed" if got is None else ("fits" if got <= capacity else "does not fit")
             progress(f"{word} {n}: {verdict}" + (f" (needs {format_bytes(got)})" if got is not None else ""))
         return got
 

@@ -5,12 +5,11 @@ words the speed and quality it trades."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 import torch
 
-from .generate_facts import GenerateSpec, Generation
+from .generate_facts import GenerateSpec, Generation, spec_of
 from .options import Options
 from .quantize import NotApplicable
 from .result import Estimate, Strategy
@@ -73,18 +72,19 @@ def candidates(opts: Options, spec: GenerateSpec, gen: Generation) -> list[Candi
 
 
 def generate_what_if(base: Estimate) -> list[Strategy]:
-    from .generate_estimate import evaluate_generate, spec_of
-
-    if base.rerun is None or base.options is None or base.generation is None:
+    """Each candidate estimated again by the estimate's re-run handle (``generate_estimate.GenerateRerun``), after
+    the baseline."""
+    if base.generation is None:
         raise ValueError("this estimate cannot be re-run for what-ifs (make it with vram_magic.estimate(..., "
                          "generate=N))")
-    request, target = base.rerun
+    rerun: Any = base.rerunnable()
     opts, gen, spec = base.options, base.generation, spec_of(base)
+    assert opts is not None
     per_seq = gen.total_flops / max(gen.batch, 1)
     rows = [Strategy("baseline: " + base.description, base.peak.total, base.needed, 0, 1.0, 1.0, base.fits)]
     for name, opt_changes, spec_changes, steps, note in candidates(opts, spec, gen):
         try:
-            est = evaluate_generate(request, opts.with_(**opt_changes), replace(spec, **spec_changes), target)
+            est = rerun.evaluate(opts.with_(**opt_changes), **spec_changes)
         except NotApplicable:
             continue
         except (EstimateError, ValueError, TypeError) as err:

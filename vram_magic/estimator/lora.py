@@ -14,18 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..units import format_count
+from .options import parse_lora
 from .quantize import NotApplicable, QuantLinear, features, linear_layers
-
-
-def parse_lora(value: Any) -> int | None:
-    """``None`` or a rank ≥ 1 (``ValueError`` otherwise)."""
-    if value is None or value is False:
-        return None
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"lora must be the adapters' rank, a whole number ≥ 1 (e.g. lora=16), not {value!r}")
-    return value
 
 
 class LoraLinear(nn.Module):
@@ -80,10 +71,8 @@ def add_adapters(model: nn.Module, r: int, mode: Any) -> tuple[nn.Module, str]:
                 parent._modules[attr] = adapted
             count += r * (adapted.in_features + adapted.out_features)
             dtypes.add(str(adapted.lora_A.weight.dtype).replace("torch.", ""))
-    from .render import _count
-
     return model, (f"LoRA: rank-{r} adapters on {len(layers)} linear layers (PEFT's all-linear, the output head "
-            f"excluded), {_count(count)} trainable parameters in {'/'.join(sorted(dtypes))}; every other weight "
+            f"excluded), {format_count(count)} trainable parameters in {'/'.join(sorted(dtypes))}; every other weight "
             "frozen: gradients and optimizer state for the adapters only")
 
 

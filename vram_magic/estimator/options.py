@@ -1,4 +1,5 @@
-"""What a user may ask of an estimate, checked once, with messages that say what is accepted."""
+"""What a user may ask of an estimate, checked once, with messages that say what is accepted: the tables of
+accepted values and their parsers (a leaf: it imports nothing else of the estimator)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw", "adagrad", "rmsprop", "adafactor")
 SHARDING = (None, 1, 2, 3)
+#: weight-only formats of ``quantize=`` (their layouts: ``quantize.FORMATS``)
+QUANTIZE_FORMATS = ("int8", "int4", "nf4", "nf4-dq")
 
 
 def parse_dtype(value: Any, what: str = "dtype") -> torch.dtype | None:
@@ -142,9 +145,6 @@ def make_options(
         raise ValueError(f"device must be 'cuda' (model a GPU) or 'cpu' (model a CPU run), not {device!r}")
     if inference and (accumulate > 1 or zero is not None or offload):
         raise ValueError("accumulate, zero/fsdp and offload apply to training; drop them with inference=True")
-    from .lora import parse_lora
-    from .quantize import parse_quantize
-
     quant, rank = parse_quantize(quantize), parse_lora(lora)
     return Options(
         quantize=quant, lora=rank,
@@ -163,3 +163,24 @@ def parse_master_weights(value: Any) -> bool:
         return True
     raise ValueError(f"master_weights must be 'fp32' (an fp32 master copy of bf16/fp16 weights) or None, not "
                      f"{value!r}")
+
+
+def parse_quantize(value: Any) -> str | None:
+    """``None`` or a format name from :data:`QUANTIZE_FORMATS` (``ValueError`` naming them otherwise)."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, str) and value.lower() in QUANTIZE_FORMATS:
+        return value.lower()
+    raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_FORMATS)} (weight-only quantization of the linear "
+                     f"layers), not {value!r}")
+
+
+def parse_lora(value: Any) -> int | None:
+    """``None`` or a LoRA rank ≥ 1 (``ValueError`` otherwise)."""
+    if value is None or value is False:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"lora must be the adapters' rank, a whole number ≥ 1 (e.g. lora=16), not {value!r}")
+    return value

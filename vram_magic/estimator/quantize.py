@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .options import QUANTIZE_FORMATS, parse_quantize
+
 
 @dataclass(frozen=True)
 class QuantFormat:
@@ -83,6 +85,9 @@ FORMATS: dict[str, QuantFormat] = {
     "nf4-dq": QuantFormat("nf4-dq", 4, 64, "nf4 in blocks of 64, absmax double-quantized to 8 bits with an fp32 "
                           "absmax per 256 blocks (bitsandbytes, QLoRA's double quantization)", "bitsandbytes"),
 }
+assert tuple(FORMATS) == QUANTIZE_FORMATS, "options.QUANTIZE_FORMATS names the formats laid out here"
+
+
 class NotApplicable(ValueError):
     """``quantize=`` or ``lora=`` on a model with no linear layer: nothing to quantize or adapt (a what-if row
     that does not apply is left out)."""
@@ -98,16 +103,6 @@ def features(m: nn.Module) -> tuple[int, int] | None:
         if isinstance(weight, torch.Tensor) and weight.dim() == 2:
             return int(weight.shape[0]), int(weight.shape[1])
     return None
-
-
-def parse_quantize(value: Any) -> str | None:
-    """``None`` or a format name from :data:`FORMATS` (``ValueError`` naming them otherwise)."""
-    if value is None or value is False:
-        return None
-    if isinstance(value, str) and value.lower() in FORMATS:
-        return value.lower()
-    raise ValueError(f"quantize must be one of {', '.join(FORMATS)} (weight-only quantization of the linear "
-                     f"layers), not {value!r}")
 
 
 class _Dequantized(torch.autograd.Function):
@@ -297,21 +292,6 @@ def quantize_model(model: nn.Module, name: str, mode: Any) -> tuple[nn.Module, s
             f"and again in the backward (bitsandbytes' path for inputs of many rows){keep}")
 
 
-def adapt(model: nn.Module, opts: Any, mode: Any) -> tuple[nn.Module, list[str]]:
-    """``quantize=`` and ``lora=`` applied to the fake model (quantized first, adapters on the quantized
-    layers): the model, and the notes saying what was done."""
-    notes = []
-    if opts.quantize:
-        model, note = quantize_model(model, opts.quantize, mode)
-        notes.append(note)
-    if opts.lora:
-        from .lora import add_adapters
-
-        model, note = add_adapters(model, opts.lora, mode)
-        notes.append(note)
-    return model, notes
-
-
 def stand_ins(model: nn.Module, mode: Any) -> dict[int, nn.Module]:
     """``{id(real quantized layer): fake stand-in}`` for a model that is already quantized, to put in the memo
     of the deep copy that makes the fake model. A layer fake tensors cannot stand in for (static quantization,
@@ -497,5 +477,5 @@ def parameter_labels(model: nn.Module) -> list[tuple[torch.Tensor, str]]:
     return out
 
 
-__all__ = ["FORMATS", "NotApplicable", "QuantFormat", "QuantLinear", "adapt", "count_parameters", "features",
+__all__ = ["FORMATS", "NotApplicable", "QuantFormat", "QuantLinear", "count_parameters", "features",
            "linear_layers", "output_head", "parameter_labels", "parse_quantize", "quantize_model", "stand_ins"]

@@ -14,7 +14,7 @@ from ..render.bars import BarRow, Cell, Extra, bars_html, grid_html, nbsp_sizes,
 from ..render.text import bar, legend, table
 from ..render.theme import BAD, GOOD, MUTED, NUM, RESERVE, ROOT, SMALL
 from ..report import shown_categories
-from ..units import format_bytes
+from ..units import format_bytes, format_count
 from .result import Estimate, Strategy
 
 
@@ -23,16 +23,7 @@ def _title(est: Estimate) -> str:
     if est.micro_batch is not None and est.micro_batch != est.batch:
         shape += f" (micro-batch {est.micro_batch})"
     return (f"%vram_estimate {est.model} · {est.description} · {est.device}{shape} · "
-            f"{_count(est.parameters)} parameters")
-
-
-def _count(n: int) -> str:
-    """``1_234`` → ``1.2 K``, ``6_738_415_616`` → ``6.74 B``: parameter counts as people say them."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            value = n / scale
-            return f"{value:.{2 if value < 10 else 1}f} {unit}"
-    return str(n)
+            f"{format_count(est.parameters)} parameters")
 
 
 def _flops(n: float) -> str:

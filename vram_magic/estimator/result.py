@@ -1,10 +1,15 @@
-"""The result of an estimate: frozen, plain numbers in bytes, rendering itself (text and HTML)."""
+"""The result of an estimate: frozen, plain numbers in bytes, rendering itself (text and HTML).
+
+What it takes to make an estimate again with other options (the model's source, the inputs, the loss, the
+target) is not part of the result: a re-run handle (:class:`Rerun`, made by the runner) is kept beside the
+numbers for the what-if table and the batch and sequence searches, and is left behind when an estimate is
+pickled or copied."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..report import CATEGORIES, Breakdown, shown_categories
 from ..units import format_bytes
@@ -27,6 +32,18 @@ class Strategy:
     steps: float  # sequential steps per optimizer update relative to the baseline
     fits: bool | None
     note: str = ""
+
+
+class Rerun(Protocol):
+    """What makes an estimate again with other options (``core.StepRerun``, ``generate_estimate.GenerateRerun``)."""
+
+    def evaluate(self, opts: Options) -> Estimate:
+        """The estimate with ``opts`` instead (the same model, inputs and target), its handle beside it."""
+        ...
+
+    def what_if(self, est: Estimate) -> list[Strategy]:
+        """The what-if table of ``est`` (its baseline row first)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -68,7 +85,7 @@ class Estimate:
     # generate= estimates: the cache per token, the two phases, how the loop was modelled (generate_facts.Generation)
     generation: Any = None
     options: Options | None = field(default=None, repr=False, compare=False)
-    rerun: Any = field(default=None, repr=False, compare=False)  # (request, target) for what-ifs
+    rerun: Rerun | None = field(default=None, repr=False, compare=False)  # beside the numbers, not one of them
 
     @property
     def total(self) -> int:
@@ -87,13 +104,22 @@ class Estimate:
         """Bytes of the peak that come from traced tensors (the rest is modelled)."""
         return self.peak.total - sum(n for _, n in self.modelled)
 
-    # --- follow-ups ----------------------------------------------------------------------------------
-    def what_if(self, **kwargs: Any) -> pd.DataFrame:
-        """The what-if table as a DataFrame (computed now if the estimate was made without it)."""
-        from .strategies import strategies_frame, what_if
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled and copied as plain data: the re-run handle (the user's model, inputs and loss) stays behind."""
+        return {**self.__dict__, "rerun": None}
 
-        rows = self.strategies or tuple(what_if(self, **kwargs))
+    # --- follow-ups ----------------------------------------------------------------------------------
+    def what_if(self) -> pd.DataFrame:
+        """The what-if table as a DataFrame (computed now if the estimate was made without it)."""
+        rows = self.strategies or tuple(self.rerunnable().what_if(self))
         return strategies_frame(rows)
+
+    def rerunnable(self) -> Rerun:
+        """The handle that makes this estimate again with other options (``ValueError`` if it has none)."""
+        if self.rerun is None or self.options is None:
+            raise ValueError("this estimate cannot be re-run (it was not made by vram_magic.estimate, or it was "
+                             "copied or unpickled: only its numbers travel)")
+        return self.rerun
 
     def compare(self, report: Any) -> pd.DataFrame:
         """Estimate and measurement side by side per category: ``report`` is a ``%%vram`` report (or a
@@ -152,3 +178,21 @@ class Estimate:
 
 def breakdown_bytes(b: Breakdown) -> dict[str, int]:
     return {c: b[c] for c in CATEGORIES}
+
+
+def strategies_frame(rows: tuple[Strategy, ...] | list[Strategy]) -> pd.DataFrame:
+    """The what-if rows as a DataFrame (raw numbers; savings positive, in bytes and as a share of the baseline)."""
+    import pandas as pd
+
+    base = rows[0].needed if rows else 0
+    return pd.DataFrame([{
+        "strategy": r.name,
+        "peak": r.peak,
+        "needed": r.needed,
+        "saving": -r.saving,
+        "saving %": 100.0 * -r.saving / base if base else float("nan"),
+        "compute ×": r.compute,
+        "steps ×": r.steps,
+        "fits": r.fits,
+        "note": r.note,
+    } for r in rows]).set_index("strategy")

@@ -19,11 +19,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..engine.registry import LiveStorages
+from .adapt import adapt
 from .fake import ModelSource, from_specs, has_lazy, is_named_tuple, materialize_lazy, resize, size_of, to_specs
 from .frameworks import enable_checkpointing, estimating, not_tracing
 from .optimizers import is_fused, make_optimizer
 from .options import Options
-from .quantize import adapt, count_parameters, parameter_labels
+from .quantize import count_parameters, parameter_labels
 from .scripted import has_scripted
 from .tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
 

@@ -4,17 +4,14 @@ forward shows up as extra FLOPs; accumulation and smaller batches as extra seque
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .options import Options, optimizer_name
 from .quantize import NotApplicable
-from .result import Estimate, Strategy
+from .result import Estimate, Strategy, strategies_frame
 from .run import EstimateError
-
-if TYPE_CHECKING:
-    import pandas as pd
 
 
 def candidates(opts: Options, batch: int | None) -> list[tuple[str, dict[str, Any], float, str]]:
@@ -84,17 +81,15 @@ def _quantized(opts: Options) -> list[tuple[str, dict[str, Any], float, str]]:
 
 
 def what_if(base: Estimate) -> list[Strategy]:
-    from .core import evaluate
-
-    if base.rerun is None or base.options is None:
-        raise ValueError("this estimate cannot be re-run for what-ifs (it was not made by vram_magic.estimate)")
-    request, target = base.rerun
+    """Each candidate of :func:`candidates` estimated again by the estimate's re-run handle, after the baseline."""
+    rerun = base.rerunnable()
     opts = base.options
+    assert opts is not None
     per_sample = base.total_flops / max(base.batch or 1, 1)
     rows = [Strategy("baseline: " + opts.describe(), base.peak.total, base.needed, 0, 1.0, 1.0, base.fits)]
     for name, changes, steps, note in candidates(opts, base.batch):
         try:
-            est = evaluate(request, opts.with_(**changes), target)
+            est = rerun.evaluate(opts.with_(**changes))
         except NotApplicable:  # quantize/LoRA rows on a model without linear layers
             continue
         except (EstimateError, ValueError, TypeError) as err:
@@ -106,18 +101,4 @@ def what_if(base: Estimate) -> list[Strategy]:
     return rows
 
 
-def strategies_frame(rows: tuple[Strategy, ...] | list[Strategy]) -> pd.DataFrame:
-    import pandas as pd
-
-    base = rows[0].needed if rows else 0
-    return pd.DataFrame([{
-        "strategy": r.name,
-        "peak": r.peak,
-        "needed": r.needed,
-        "saving": -r.saving,
-        "saving %": 100.0 * -r.saving / base if base else float("nan"),
-        "compute ×": r.compute,
-        "steps ×": r.steps,
-        "fits": r.fits,
-        "note": r.note,
-    } for r in rows]).set_index("strategy")
+__all__ = ["candidates", "strategies_frame", "what_if"]
