@@ -1,6 +1,6 @@
 """What measuring costs, side by side in one run (these machines are noisy: compare ratios, not times).
 
-    python benchmarks/overhead.py [--rounds N]
+    python benchmarks/overhead.py [--rounds N] [--parts 1,3]
 
 Every variant runs once per round, in the same order, and each is compared with the plain run *of its own
 round*: the figure printed is the median over rounds of those paired ratios (or differences), so a slow
@@ -10,7 +10,7 @@ the fixed work at the start and end of a block (scans, trace, report).
 
 1. A CPU training step of a 6 x Linear(1024, 1024) MLP, batch 128: unmeasured, under an empty Python
    dispatch mode, inside ``vram_magic.measure()`` (default backend, with and without allocation sites) and with
-   the allocator backend. Targets: measured <= x1.10; the tracker over the empty dispatch mode <= x1.03.
+   the allocator backend. Targets: measured <= x1.10; the tracker over the empty dispatch mode <= x1.05.
 2. An empty ``%%vram`` cell with 300 modules in the namespace, against the same cell without the magic.
    Target: at most 5 ms more.
 3. A loop of small ops in one measured block: 500 AdamW steps of a tiny MLP. Target: <= x1.5.
@@ -126,6 +126,8 @@ def mlp_step_ratios(rounds: int = 80) -> dict[str, float]:
     out["measure() / empty mode without dynamo wrapper (the tracker's own cost)"] = _paired(
         wall["measure()"], wall["empty dispatch mode, no dynamo wrapper"], ratio)
     inside = inside[-rounds:]  # not the warm-up runs
+    out["tracker over an empty dispatch mode: wall ratio"] = _paired(
+        wall["measure()"], wall["empty dispatch mode, no dynamo wrapper"], ratio)
     out["measure(), the step inside the block: wall ratio"] = _paired(inside, wall["plain"], ratio)
     out["measure(), its start and end (ms)"] = _paired(wall["measure()"], inside, operator.sub) * 1000
     return out
@@ -190,6 +192,8 @@ def small_op_loop(steps: int = 500, rounds: int = 3) -> dict[str, float]:
     for name in variants:
         if name != "plain":
             out[f"{name}: wall ratio"] = _paired(wall[name], wall["plain"], operator.truediv)
+    out["tracker over an empty dispatch mode: wall ratio"] = _paired(
+        wall["measure()"], wall["empty dispatch mode, no dynamo wrapper"], operator.truediv)
     return out
 
 
@@ -227,19 +231,31 @@ def optimizer_step_cell(rounds: int = 40) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=80, help="runs of each variant (default 80)")
-    rounds = parser.parse_args().rounds
+    parser.add_argument("--parts", default="1,2,3,4", help="which parts to run, comma-separated (default all)")
+    parser.add_argument("--loop-rounds", type=int, default=3, help="paired runs of part 3's loop (default 3)")
+    args = parser.parse_args()
+    rounds, parts = args.rounds, {p.strip() for p in args.parts.split(",")}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rounds} rounds")
+    if "1" in parts:
+        _part1(rounds)
+    if "2" in parts:
+        print("2. empty cell, 300 modules in the namespace: median of paired differences")
+        for k, v in empty_cell_overhead(rounds=rounds).items():
+            print(f"   {k:<52} {v:8.2f}")
+    if "3" in parts:
+        print(f"3. 500 AdamW steps of a 256-wide MLP in one block (small ops): median of {args.loop_rounds} paired "
+              "ratios")
+        for k, v in small_op_loop(rounds=args.loop_rounds).items():
+            print(f"   {k:<52} {v:8.3f}")
+    if "4" in parts:
+        print("4. opt.step() alone, AdamW over 60 parameter tensors: median of paired ratios")
+        for k, v in optimizer_step_cell(max(rounds // 2, 10)).items():
+            print(f"   {k:<52} {v:8.3f}")
+
+
+def _part1(rounds: int) -> None:
     print("1. MLP training step (6 x Linear(1024, 1024), batch 128, SGD momentum): median of paired ratios")
     for k, v in mlp_step_ratios(rounds).items():
-        print(f"   {k:<52} {v:8.3f}")
-    print("2. empty cell, 300 modules in the namespace: median of paired differences")
-    for k, v in empty_cell_overhead(rounds=rounds).items():
-        print(f"   {k:<52} {v:8.2f}")
-    print("3. 500 AdamW steps of a 256-wide MLP in one block (small ops): median of 3 paired ratios")
-    for k, v in small_op_loop().items():
-        print(f"   {k:<52} {v:8.2f}")
-    print("4. opt.step() alone, AdamW over 60 parameter tensors: median of paired ratios")
-    for k, v in optimizer_step_cell(max(rounds // 2, 10)).items():
         print(f"   {k:<52} {v:8.3f}")
 
 

@@ -10,46 +10,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .tracker import BACKWARD, CELL, DECODE, FORWARD, INFERENCE, KV_UPDATE, OPTIMIZER, PREFILL
+from .phases import KV_MADE, LIVE_PHASE_CATEGORY, PHASE_CATEGORY, TRACKED, Phase
 
 UNATTRIBUTED = ("other", "unattributed")
-# memory a KV cache's update made (its growth, a static layer's preallocation, a quantized layer's dequantized
-# copy) that no scan found held at the end: the copies the cache replaced step by step
-KV_MADE = ("kv_cache", "made by cache updates")
 # freed blocks made at the line that made a hand-written decoder's cache (its earlier, replaced copies)
 KV_SAME_LINE = ("kv_cache", "earlier copies (the cache's line)")
-
-# What an allocation freed before the cell ended counts as, by the phase it was made in.
-PHASE_CATEGORY = {
-    FORWARD: ("activations", "forward intermediates"),
-    INFERENCE: ("activations", "forward intermediates (no grad)"),
-    # gradients of activations flowing through backward: they scale with the batch like activations do
-    BACKWARD: ("activations", "activation gradients (backward)"),
-    OPTIMIZER: ("other", "optimizer temporaries"),
-    CELL: ("other", "temporaries"),
-    PREFILL: ("activations", "prefill intermediates"),
-    DECODE: ("activations", "decode intermediates"),
-    KV_UPDATE: KV_MADE,
-}
 
 # The allocator backend cannot tell a module's forward from other code of the cell: what it made outside
 # backward and the optimizer step, and freed before the end, is named so.
 UNSCOPED = ("activations", "forward and cell temporaries")
 
-# While the block runs: what memory made in each phase counts as in the live view (before the end-of-block scan
-# tells which of it became gradients or optimizer state).
-LIVE_PHASE_CATEGORY = {
-    FORWARD: ("activations", "forward intermediates"),
-    INFERENCE: ("activations", "forward intermediates (no grad)"),
-    BACKWARD: ("activations", "made during backward"),
-    OPTIMIZER: ("other", "made by the optimizer step"),
-    CELL: ("other", "made by the cell's code"),
-    PREFILL: ("activations", "made by the prefill"),
-    DECODE: ("activations", "made by the decode steps"),
-    KV_UPDATE: ("kv_cache", "made by cache updates"),
-}
-
-_NOT_VARIABLES = {label for _, label in PHASE_CATEGORY.values()} | {"unattributed", "", UNSCOPED[1],
+# (PHASE_CATEGORY and LIVE_PHASE_CATEGORY, what memory made in each phase counts as, are phases.py's)
+# the labels of a measured block's phases name no variable (a variable may be called "loss": that phase is the
+# estimator's)
+_NOT_VARIABLES = {PHASE_CATEGORY[p][1] for p in TRACKED} | {"unattributed", "", UNSCOPED[1],
                                                                      "saved for backward", KV_SAME_LINE[1]}
 
 
@@ -65,7 +39,7 @@ def kv_cache_sites(allocs: Mapping[int, tuple[Any, ...]], alive: Mapping[int, in
     are made in its updates (``KV_UPDATE``) and need no site."""
     modules: dict[int, set[int]] = {}
     for serial, (_, phase, site, module) in allocs.items():
-        if not site or phase == KV_UPDATE:
+        if not site or phase == Phase.KV_UPDATE:
             continue
         key = alive.get(serial)
         cat = owner(key) if key is not None else None
@@ -88,3 +62,7 @@ def holder_name(label: str) -> str:
     if label.startswith("graph held by "):
         return label[len("graph held by "):]
     return label
+
+
+__all__ = ["KV_MADE", "KV_SAME_LINE", "LIVE_PHASE_CATEGORY", "PHASE_CATEGORY", "UNATTRIBUTED", "UNSCOPED",
+           "holder_name", "kv_cache_sites"]

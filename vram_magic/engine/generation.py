@@ -21,9 +21,11 @@ from typing import Any
 
 import torch
 
-# Allocation phases beside tracker.py's CELL, FORWARD, BACKWARD, OPTIMIZER and INFERENCE (0-4)
-PREFILL, DECODE, KV_UPDATE = 5, 6, 7
-CELL = 0
+from .phases import Phase
+
+# the phases of generation (phases.py holds them all), under their old names here
+PREFILL, DECODE, KV_UPDATE = Phase.PREFILL, Phase.DECODE, Phase.KV_UPDATE
+CELL = Phase.CELL
 
 _CACHE_UTILS = "transformers.cache_utils"
 _GENERATION_UTILS = "transformers.generation.utils"

@@ -1,6 +1,9 @@
 """The engine's live-storage tracker, taught about a fake step: which stage and module made each storage,
 the FLOPs of every op, the convolutions whose kernels use scratch the dispatcher cannot see, and the op that
 fake tensors could not run.
+
+The tracker counts; the step tracer hears of module forwards, new storages and frees through its public observer
+hooks (:class:`StepObserver`), and runs each op itself (fake tensors' own rules: value reads, problems, FLOPs).
 """
 
 from __future__ import annotations
@@ -13,16 +16,21 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     UnsupportedOperatorException,
 )
-from torch.utils._python_dispatch import _pop_mode, _push_mode
 from torch.utils.flop_counter import flop_registry
 
-from ..engine.registry import LiveStorages
+from ..engine.observer import TrackerObserver
+from ..engine.op_kinds import aliases, is_composite, run_decomposed
+from ..engine.phases import PHASE_NAMES, Phase
+from ..engine.registry import Entry, LiveStorages
 from ..engine.scratch_ops import gemm_copies
 from ..engine.tracker import Tracker
 from .values import answer, propagate
 
-SETUP, FORWARD, LOSS, BACKWARD, OPTIMIZER, ZERO_GRAD = range(6)
-STAGES = ("setup", "forward", "loss", "backward", "optimizer", "zero_grad")
+# The stages of a traced step (engine/phases.py holds every phase), under the names they always had here
+SETUP, FORWARD, LOSS, BACKWARD, OPTIMIZER, ZERO_GRAD = Phase.SETUP, Phase.FORWARD, Phase.LOSS, Phase.BACKWARD, \
+    Phase.OPTIMIZER, Phase.ZERO_GRAD
+STAGES = tuple(PHASE_NAMES[p] if p != SETUP else "setup" for p in (SETUP, FORWARD, LOSS, BACKWARD, OPTIMIZER,
+                                                                  ZERO_GRAD))
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
 _DEVICE = torch.ops.prim.device.default
@@ -56,18 +64,8 @@ def tensor_spec(t: Any, channels_last: bool = False) -> Any:
     return t
 
 
+# op -> its only kernel is its decomposition, with no CPU kernel of its own (as ``silu_backward`` has)
 _COMPOSITE: dict[Any, bool] = {}
-
-
-def _is_composite(func: Any) -> bool:
-    """An op whose only kernel is its decomposition (no CPU kernel of its own, as ``silu_backward`` has)."""
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    try:
-        name = func.name()
-        return bool(has(name, "CompositeImplicitAutograd") and not has(name, "CPU")
-                    and not has(name, "CompositeExplicitAutograd"))
-    except (AttributeError, RuntimeError, TypeError):
-        return False
 
 
 def _shapes(args: Any, kwargs: Any) -> str:
@@ -83,16 +81,44 @@ def _shapes(args: Any, kwargs: Any) -> str:
     return ", ".join(parts)
 
 
+class StepObserver(TrackerObserver):
+    """What the step tracer hears from the tracker: the module stack by name, which stage and module made each
+    storage, and the frees of values already counted as freed (:meth:`StepTracer.release`)."""
+
+    def __init__(self, tracer: StepTracer) -> None:
+        self.tracer = tracer
+
+    def module_entered(self, module: Any) -> None:
+        tracer = self.tracer
+        tracer.modstack.append(tracer.names.get(id(module), type(module).__name__))
+
+    def module_exited(self, module: Any) -> None:
+        if self.tracer.modstack:
+            self.tracer.modstack.pop()
+
+    def storage_counted(self, entry: Entry) -> None:
+        tracer = self.tracer
+        recompute = tracer.stage == BACKWARD and bool(tracer.modstack)
+        tracer.made[entry.serial] = (tracer.stage, tracer.module(), recompute)
+
+    def storage_freed(self, entry: Entry) -> bool:
+        fused = self.tracer.fused
+        if entry.serial in fused:
+            fused.discard(entry.serial)
+            return False
+        return True
+
+
 class StepTracer(Tracker):
     """Counts the storages of fake tensors (their storages live on ``meta``) during a traced step."""
 
     def __init__(self, registry: LiveStorages, names: dict[int, str]) -> None:
-        super().__init__(registry, "meta", record_sites=False)
+        super().__init__(registry, "meta", record_sites=False, observer=StepObserver(self))
         self.stage = SETUP
         self.names = names
         self.modstack: list[str] = []
         self.made: dict[int, tuple[int, str, bool]] = {}  # serial -> (stage, module, made by a recompute)
-        self.flops = [0] * len(STAGES)
+        self.flops = [0] * len(PHASE_NAMES)  # per stage
         self.convs: list[tuple[int, Any, Any]] = []  # (events so far, op, argument specs)
         self.problem: tuple[str, str, str] | None = None  # (op, module, exception name)
         self.item_value = 1.0
@@ -101,7 +127,7 @@ class StepTracer(Tracker):
         self.input_keys: set[int] = set()  # id() of the inputs' storages
         self.failed_stage = SETUP
         self.failed_on_input = False  # the failing op read an input tensor (or a view of one) directly
-        self._fused: set[int] = set()  # serials of values a compiled kernel would not materialize
+        self.fused: set[int] = set()  # serials of values a compiled kernel would not materialize
         self.fusing = False  # set while a compiled graph computes a value that lives inside a fused kernel
         # set while the compiler works inside the step (AOTAutograd compiles the backward at its first call):
         # the tensors its passes make on their own fake tensors are no memory of the step
@@ -130,27 +156,11 @@ class StepTracer(Tracker):
         # the compiled graphs run
         return True
 
-    # --- module stack (global hooks installed by Tracker.__enter__) -----------------------------------------
-    def _mod_pre(self, module: Any = None, *rest: Any) -> None:
-        super()._mod_pre(module, *rest)
-        self.modstack.append(self.names.get(id(module), type(module).__name__))
-
-    def _mod_post(self, module: Any = None, *rest: Any) -> None:
-        super()._mod_post(module, *rest)
-        if self.modstack:
-            self.modstack.pop()
-
     def module(self) -> str:
+        """The innermost module whose forward runs now, by name ("" outside any)."""
         return self.modstack[-1] if self.modstack else ""
 
     # --- storages ---------------------------------------------------------------------------------------
-    def _new(self, storage: Any) -> None:
-        super()._new(storage)
-        entry = self.registry.get(id(storage))
-        if entry is not None:
-            recompute = self.stage == BACKWARD and bool(self.modstack)
-            self.made[entry.serial] = (self.stage, self.module(), recompute)
-
     def release(self, value: Any) -> None:
         """``value``'s buffer is taken over by the next result (written in place): counted as freed now, its
         real free later not counted again."""
@@ -160,24 +170,21 @@ class StepTracer(Tracker):
             entry = self.registry.get(id(value.untyped_storage()))
         except (RuntimeError, NotImplementedError):
             return
-        if entry is not None and entry.serial not in self._fused:
-            Tracker._freed(self, entry)
-            self._fused.add(entry.serial)
+        if entry is not None and entry.serial not in self.fused:
+            self.count_free(entry)
+            self.fused.add(entry.serial)
 
-    def _freed(self, entry: Any) -> None:
-        if entry.serial in self._fused:
-            self._fused.discard(entry.serial)
-            return
-        super()._freed(entry)
-
-    def _see(self, t: torch.Tensor, func: Any) -> None:
+    def _see_fake(self, t: torch.Tensor, func: Any) -> None:
+        """A tensor an op returned: a new storage is counted (unless a fused kernel makes it), a known one grown
+        in place is counted at its new size, a view of memory from before the step is counted as alive from the
+        start."""
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
         entry = self.registry.get(id(storage))
         if entry is not None:
-            if entry.serial in self._fused:
+            if entry.serial in self.fused:
                 return
             size = int(storage.nbytes())
             if entry.size != size:  # resized in place
@@ -185,14 +192,22 @@ class StepTracer(Tracker):
                 entry.size = size
                 self.peak = max(self.peak, self.current)
             return
-        if self._aliases(func):
-            self._late(storage)
+        if aliases(func):
+            self.count_late(storage)
             return
         if self.fusing:  # never written to memory: known (its views resolve to it), not counted
             entry = self.registry.add_new(storage, id(storage), int(storage.nbytes()), self.device)
-            self._fused.add(entry.serial)
+            self.fused.add(entry.serial)
             return
-        self._new(storage)
+        self.count_new(storage)
+
+    def _see_outputs_fake(self, out: Any, func: Any) -> None:
+        if isinstance(out, torch.Tensor):
+            self._see_fake(out, func)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self._see_fake(o, func)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.compiling:
@@ -207,16 +222,12 @@ class StepTracer(Tracker):
         kwargs = kwargs or {}
         composite = _COMPOSITE.get(func)
         if composite is None:
-            composite = _COMPOSITE[func] = _is_composite(func)
+            composite = _COMPOSITE[func] = is_composite(func, ("CPU",))
         if composite:
             # Under inference_mode, composite ops (linear, cross_entropy_loss, ...) reach the dispatch mode whole;
             # the fake kernel would decompose them out of our sight. Their parts allocate real memory (the
             # log-softmax inside a loss), so they are decomposed here, with this mode seeing each part.
-            _push_mode(self)
-            try:
-                out = func.decompose(*args, **kwargs)
-            finally:
-                _pop_mode()
+            out = run_decomposed(self, func, args, kwargs)
             if out is not NotImplemented:
                 return out
         if func is _ITEM:
@@ -243,7 +254,7 @@ class StepTracer(Tracker):
             raise
         else:
             propagate(func, args, kwargs, out)
-        self._see_outputs(out, func)
+        self._see_outputs_fake(out, func)
         packet = func.overloadpacket
         counter = flop_registry.get(packet)
         if counter is not None:
