@@ -92,6 +92,30 @@ def is_named_tuple(value: Any) -> bool:
     return isinstance(value, tuple) and isinstance(getattr(type(value), "_fields", None), tuple)
 
 
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model`` called on ``inputs`` as a training loop calls it: a tensor as the argument, a dict as keyword
+    arguments, a tuple or list as positional arguments (a named tuple whole when the forward takes one)."""
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if is_named_tuple(inputs) and takes_one(model, inputs):
+        return model(inputs)  # one structured argument, read by its fields
+    return model(*inputs)
+
+
+def takes_one(model: nn.Module, inputs: tuple) -> bool:
+    """Whether ``model.forward`` takes a named tuple whole: it accepts one argument (else its fields are the
+    arguments, as a plain tuple's are)."""
+    try:
+        inspect.signature(model.forward).bind(inputs)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read
+        return True
+    return True
+
+
 def _rebuild(value: tuple | list, items: list[Any]) -> Any:
     """A tuple or list like ``value`` holding ``items``: a named tuple keeps its type (a model reads its fields)."""
     if is_named_tuple(value):

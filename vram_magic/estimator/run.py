@@ -7,7 +7,6 @@ order of allocations and frees.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 from array import array
 from collections.abc import Callable, Mapping
@@ -20,18 +19,25 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..engine.registry import LiveStorages
 from .adapt import adapt
-from .fake import ModelSource, from_specs, has_lazy, is_named_tuple, materialize_lazy, resize, size_of, to_specs
+from .errors import EstimateError, failure_message
+from .fake import (
+    ModelSource,
+    call_model,
+    from_specs,
+    has_lazy,
+    materialize_lazy,
+    resize,
+    size_of,
+    specs_in,
+    to_specs,
+)
 from .frameworks import enable_checkpointing, estimating, not_tracing
+from .loss import default_loss, describe_loss, stand_in_loss
 from .optimizers import is_fused, make_optimizer
 from .options import Options
 from .quantize import count_parameters, parameter_labels
 from .scripted import has_scripted
 from .tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
-
-
-class EstimateError(RuntimeError):
-    """The model could not run on fake tensors for a reason in the model or its inputs (not a fake-tensor
-    limitation): a shape mismatch, a missing argument, an exception in user code."""
 
 
 @dataclass
@@ -93,66 +99,11 @@ class Request:
                 except Exception as err:
                     raise EstimateError(f"the inputs callable raised {type(err).__name__}: {err}") from err
             specs = to_specs(made)
-            from .fake import specs_in
-
             if not specs_in(specs):
                 raise TypeError("the inputs callable must return a tensor, or a tuple/list or dict of tensors; "
                                 f"it returned {type(made).__name__}")
             self.specs = specs  # shapes only: the callable runs once
         return self.specs
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    return stand_in_loss(output)[0]
-
-
-def stand_in_loss(output: Any) -> tuple[torch.Tensor, str]:
-    """The loss a step trains on when no ``loss_fn`` is given, and what it was: the output's own ``loss``
-    (a Hugging Face model given ``labels``), else the sum of the output (of its floating tensors)."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, Mapping):
-        loss = output.get("loss")
-    if isinstance(loss, torch.Tensor):
-        return loss, "the model's own loss (output.loss)"
-    if isinstance(output, torch.Tensor):
-        return output.sum(), "output.sum()"
-    parts: list[torch.Tensor] = []
-    names: list[str] = []
-    items = list(output.items()) if isinstance(output, Mapping) else list(enumerate(output)) if isinstance(
-        output, (tuple, list)) else []
-    for k, v in items:
-        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.requires_grad:
-            parts.append(v.sum())
-            names.append(f"output.{k}" if isinstance(k, str) and k.isidentifier() else f"output[{k!r}]")
-    if not parts:
-        raise EstimateError(f"cannot make a loss from the model's output ({type(output).__name__}); pass loss_fn, "
-                            "e.g. loss_fn=lambda out: out.logits.sum()")
-    total = parts[0]
-    for p in parts[1:]:
-        total = total + p
-    return total, " + ".join(f"{n}.sum()" for n in names)
-
-
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, torch.Tensor):
-        return model(inputs)
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if is_named_tuple(inputs) and _takes_one(model, inputs):
-        return model(inputs)  # one structured argument, read by its fields
-    return model(*inputs)
-
-
-def _takes_one(model: nn.Module, inputs: tuple) -> bool:
-    """Whether ``model.forward`` takes a named tuple whole: it accepts one argument (else its fields are the
-    arguments, as a plain tuple's are)."""
-    try:
-        inspect.signature(model.forward).bind(inputs)
-    except TypeError:
-        return False
-    except ValueError:  # no signature to read
-        return True
-    return True
 
 
 def checkpoint_units(model: nn.Module) -> list[nn.Module]:
@@ -188,10 +139,17 @@ def trace_step(request: Request, opts: Options) -> StepTrace:
 
 
 def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> StepTrace:
-    import time
+    step = _FakeStep(request, opts, mode)
+    step.build()
+    step.prepare()
+    step.run()
+    return step.result(t0)
 
+
+def _fake_model(request: Request, opts: Options, mode: FakeTensorMode) -> tuple[nn.Module, dict[str, str]]:
+    """The model on fake tensors and its compiled parts; a constructor that fails says so plainly."""
     try:
-        model, compiled = request.source.fake(mode, opts.dtype)
+        return request.source.fake(mode, opts.dtype)
     except (TypeError, ValueError):
         raise
     except FAKE_PROBLEMS as err:
@@ -199,6 +157,12 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                             "tensor values; pass an nn.Module built normally instead of a builder") from err
     except Exception as err:
         raise EstimateError(f"building the model raised {type(err).__name__}: {err}") from err
+
+
+def _shaped_specs(request: Request, opts: Options,
+                  mode: FakeTensorMode) -> tuple[Any, int | None, int | None, int | None]:
+    """``(specs, batch, seq, micro-batch)``: the inputs resized to the asked batch and sequence length, then to one
+    micro-batch of gradient accumulation."""
     specs = request.input_specs(mode)
     batch, seq = size_of(specs, 0), size_of(specs, 1)
     if opts.batch is not None and batch is not None:
@@ -209,146 +173,221 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
     if opts.accumulate > 1 and batch is not None:
         micro_batch = -(-batch // opts.accumulate)
         specs = resize(specs, 0, batch, micro_batch)
-    if has_lazy(model):
-        try:
-            materialize_lazy(model, specs, mode, opts.dtype, _call)
-        except Exception as err:
-            raise EstimateError(f"the model's lazy modules make their parameters on a first forward, which failed "
-                                f"on meta tensors ({type(err).__name__}: {err}); run one forward of the model "
-                                "before estimating it") from err
-    with mode:
-        inputs = from_specs(specs, opts.dtype if opts.amp is None else None)
-    model, notes = adapt(model, opts, mode)  # quantize=, lora= (quantize.py, lora.py)
-    if opts.inference:
-        model.eval()
-    else:
-        model.train()
-    units = checkpoint_units(model)
-    if opts.checkpointing and not opts.inference:
-        notes.append("checkpointing: " + enable_checkpointing(model, units))
-    params = [p for p in model.parameters()]
-    trainable = [p for p in params if p.requires_grad]
-    if not opts.inference and not trainable:
-        raise EstimateError("the model has no parameters that require gradients; use inference=True")
-    optimizer = None
-    masters: list[nn.Parameter] = []
-    if not opts.inference:
-        with mode:
-            if opts.master_weights:  # the optimizer updates an fp32 copy; the model keeps bf16/fp16 weights
-                masters = [nn.Parameter(torch.empty(p.shape, dtype=torch.float32)) for p in trainable]
-            optimizer = make_optimizer(opts.optimizer, masters or trainable, opts.device)
-    registry = LiveStorages()
-    owner: dict[int, tuple[str, str]] = {}
+    return specs, batch, seq, micro_batch
 
-    def claim(t: Any, cat: tuple[str, str]) -> int | None:
+
+class _FakeStep:
+    """One fake run, a method per job: the model and its inputs on fake tensors (:meth:`build`), the optimizer,
+    the storages alive before the step and the tracer (:meth:`prepare`), the steps under the tracer
+    (:meth:`run`), and the plain numbers they leave (:meth:`result`)."""
+
+    def __init__(self, request: Request, opts: Options, mode: FakeTensorMode) -> None:
+        self.request, self.opts, self.mode = request, opts, mode
+        self.owner: dict[int, tuple[str, str]] = {}
+        self.marks: dict[str, int] = {}
+        self.host_scalars: set[int] = set()
+        self.problem: str | None = None
+        self.loss_used = "loss_fn (given)" if request.loss_fn is not None else ""
+        self.last_flops: list[int] = []
+        self.n_micro = 1 if opts.inference else min(opts.accumulate, 2)
+
+    # --- the model and its inputs on fake tensors -------------------------------------------------------------
+    def build(self) -> None:
+        opts, mode = self.opts, self.mode
+        model, self.compiled = _fake_model(self.request, opts, mode)
+        self.specs, self.batch, self.seq, self.micro_batch = _shaped_specs(self.request, opts, mode)
+        if has_lazy(model):
+            try:
+                materialize_lazy(model, self.specs, mode, opts.dtype, call_model)
+            except Exception as err:
+                raise EstimateError(f"the model's lazy modules make their parameters on a first forward, which "
+                                    f"failed on meta tensors ({type(err).__name__}: {err}); run one forward of the "
+                                    "model before estimating it") from err
+        with mode:
+            self.inputs = from_specs(self.specs, opts.dtype if opts.amp is None else None)
+        model, self.notes = adapt(model, opts, mode)  # quantize=, lora= (adapt.py)
+        if opts.inference:
+            model.eval()
+        else:
+            model.train()
+        self.units = checkpoint_units(model)
+        if opts.checkpointing and not opts.inference:
+            self.notes.append("checkpointing: " + enable_checkpointing(model, self.units))
+        self.model = model
+
+    # --- the optimizer, the storages alive before the step, the tracer ------------------------------------------
+    def prepare(self) -> None:
+        opts, mode, model = self.opts, self.mode, self.model
+        self.params = [p for p in model.parameters()]
+        self.trainable = [p for p in self.params if p.requires_grad]
+        if not opts.inference and not self.trainable:
+            raise EstimateError("the model has no parameters that require gradients; use inference=True")
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.masters: list[nn.Parameter] = []
+        if not opts.inference:
+            with mode:
+                if opts.master_weights:  # the optimizer updates an fp32 copy; the model keeps bf16/fp16 weights
+                    self.masters = [nn.Parameter(torch.empty(p.shape, dtype=torch.float32)) for p in self.trainable]
+                self.optimizer = make_optimizer(opts.optimizer, self.masters or self.trainable, opts.device)
+        self.registry = LiveStorages()
+        for p, label in parameter_labels(model):  # quantized, adapters, frozen: named before the plain ones
+            self.claim(p, ("parameters", label))
+        for p in self.params:
+            self.claim(p, ("parameters", "parameters"))
+        for b in model.buffers():
+            self.claim(b, ("other", "buffers"))
+        for t in _tensors(self.inputs):
+            self.claim(t, ("other", "inputs"))
+        for m in self.masters:
+            self.claim(m, ("optimizer_state", "fp32 master weights"))
+        self.updater: Any = _MasterStep(self.optimizer, self.trainable, self.masters) if self.masters else \
+            self.optimizer
+        self.names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
+        self.runner = self._runner()
+        self.tracer = StepTracer(self.registry, self.names)
+        self.tracer.target = opts.device
+        self.tracer.input_keys = {id(t.untyped_storage()) for t in _tensors(self.inputs) if t.layout == torch.strided}
+
+    def claim(self, t: Any, cat: tuple[str, str]) -> int | None:
+        """``t``'s storage counted as ``cat`` (unless something claimed it first); its serial."""
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
             return None
-        entry = registry.add(t.untyped_storage())
-        owner.setdefault(entry.serial, cat)
+        entry = self.registry.add(t.untyped_storage())
+        self.owner.setdefault(entry.serial, cat)
         return entry.serial
 
-    for p, label in parameter_labels(model):  # quantized, adapters, frozen: named before the plain ones
-        claim(p, ("parameters", label))
-    for p in params:
-        claim(p, ("parameters", "parameters"))
-    for b in model.buffers():
-        claim(b, ("other", "buffers"))
-    for t in _tensors(inputs):
-        claim(t, ("other", "inputs"))
-    for m in masters:
-        claim(m, ("optimizer_state", "fp32 master weights"))
-    updater = _MasterStep(optimizer, trainable, masters) if masters else optimizer
-    names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
-    runner: Any = model
-    if compiled:
+    def _runner(self) -> Any:
+        """What the step calls: the model, with its compiled parts compiled again on the fake copy (compiled.py)."""
+        if not self.compiled:
+            return self.model
         from .compiled import EAGER_NOTE, NOTE, recompile, supported
 
-        where = ", ".join(repr(n) if n else "the whole model" for n in sorted(compiled))
+        where = ", ".join(repr(n) if n else "the whole model" for n in sorted(self.compiled))
         if supported():
-            runner = recompile(model, compiled)
-            notes.append(f"{NOTE}; compiled: {where}")
-        else:  # never call compiled code under the tracker here: TorchDynamo would skip (and poison) the frame
-            notes.append(EAGER_NOTE.format(version=torch.__version__) + f"; compiled: {where}")
-            compiled = {}
-    tracer = StepTracer(registry, names)
-    tracer.target = opts.device
-    tracer.input_keys = {id(t.untyped_storage()) for t in _tensors(inputs) if t.layout == torch.strided}
-    loss_used = ["loss_fn (given)"] if request.loss_fn is not None else [""]
+            runner = recompile(self.model, self.compiled)
+            self.notes.append(f"{NOTE}; compiled: {where}")
+            return runner
+        # never call compiled code under the tracker here: TorchDynamo would skip (and poison) the frame
+        self.notes.append(EAGER_NOTE.format(version=torch.__version__) + f"; compiled: {where}")
+        self.compiled = {}
+        return self.model
 
-    def stated_loss(output: Any) -> torch.Tensor:
-        loss, loss_used[0] = stand_in_loss(output)
+    # --- the steps under the tracer ---------------------------------------------------------------------------
+    def run(self) -> None:
+        """The steps; a value fake tensors do not have ends the run early with a partial estimate."""
+        opts, tracer = self.opts, self.tracer
+        # TorchScript's profiling executor runs a module's code as written first and an optimized graph (its own
+        # autodiff, other saved tensors) from the next call with the same input types on: real steps until then
+        scripted = has_scripted(self.model)
+        steps = max(opts.steps, 3) if scripted and opts.steps > 1 else opts.steps
+        self.amp: Any = torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else contextlib.nullcontext()
+        try:
+            with self.mode, tracer, _compiled_step(bool(self.compiled), tracer), not_tracing():
+                for step in range(steps):
+                    last = step == steps - 1
+                    if last:
+                        self.marks["step_start"] = len(tracer.events)
+                        self.last_flops = list(tracer.flops)
+                    if opts.inference:
+                        self._forward(last)
+                    elif step == 0 and steps > 1 and not scripted:
+                        _first_step(self.updater, self.trainable, tracer, self.claim, self.host_scalars)
+                    else:
+                        self._train_step(last)
+                tracer.stage = SETUP
+        except FAKE_PROBLEMS as err:
+            where = tracer.problem or (str(err), tracer.module() or "(top level)", type(err).__name__)
+            self.problem = (f"{where[0]} in module {where[1]!r} needs real tensor values ({where[2]}), which fake "
+                            "tensors do not have; the estimate covers what ran before it")
+            self.marks.setdefault("forward_end", len(tracer.events))
+        except EstimateError:
+            raise
+        except Exception as err:
+            raise EstimateError(failure_message(err, tracer, self.model, self.specs)) from err
+
+    def _forward(self, last: bool) -> None:
+        """An inference step: one forward under ``inference_mode``."""
+        self.tracer.stage = FORWARD
+        with torch.inference_mode(), self.amp:
+            out = call_model(self.runner, self.inputs)
+        if last:
+            self.marks["forward_end"] = len(self.tracer.events)
+        del out
+
+    def _train_step(self, last: bool) -> None:
+        """A training step: forward, loss and backward of each micro-batch, the optimizer step, ``zero_grad``."""
+        tracer, marks, optimizer = self.tracer, self.marks, self.optimizer
+        loss_fn = self.request.loss_fn or self._stated_loss
+        for micro in range(self.n_micro):
+            out = loss = None  # the previous micro-batch's output lives until this one replaces it
+            tracer.stage = FORWARD
+            with self.amp:
+                out = call_model(self.runner, self.inputs)
+                tracer.stage = LOSS
+                loss = loss_fn(out)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise EstimateError("loss_fn must return a scalar tensor, got "
+                                    f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
+            if last and micro == self.n_micro - 1:
+                marks["forward_end"] = len(tracer.events)
+            tracer.stage = BACKWARD
+            loss.backward()
+            for p in self.trainable:
+                self.claim(p.grad, ("gradients", "gradients"))
+        assert optimizer is not None
+        for i, p in enumerate(self.trainable):  # state stood in for a parameter this step leaves without a gradient
+            key = self.masters[i] if self.masters else p
+            if p.grad is None and key in optimizer.state:
+                del optimizer.state[key]
+        if last:
+            marks["backward_end"] = len(tracer.events)
+        tracer.stage = OPTIMIZER
+        self.updater.step()
+        _claim_state(optimizer, self.claim, self.host_scalars)
+        if last:
+            marks["step_end"] = len(tracer.events)
+        tracer.stage = ZERO_GRAD
+        self.updater.zero_grad(set_to_none=True)
+        del out, loss  # as a loop that ends each step with `del out, loss` (or returns) does
+
+    def _stated_loss(self, output: Any) -> torch.Tensor:
+        loss, self.loss_used = stand_in_loss(output)
         return loss
 
-    loss_fn = request.loss_fn or stated_loss
-    marks: dict[str, int] = {}
-    host_scalars: set[int] = set()
-    n_micro = 1 if opts.inference else min(opts.accumulate, 2)
-    # TorchScript's profiling executor runs a module's code as written first and an optimized graph (its own
-    # autodiff, other saved tensors) from the next call with the same input types on: real steps until then
-    scripted = has_scripted(model)
-    steps = max(opts.steps, 3) if scripted and opts.steps > 1 else opts.steps
-    last_flops: list[int] = []
-    problem = None
-    amp = torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else contextlib.nullcontext()
-    try:
-        with mode, tracer, _compiled_step(bool(compiled), tracer), not_tracing():
-            for step in range(steps):
-                last = step == steps - 1
-                if last:
-                    marks["step_start"] = len(tracer.events)
-                    last_flops = list(tracer.flops)
-                if opts.inference:
-                    tracer.stage = FORWARD
-                    with torch.inference_mode(), amp:
-                        out = _call(runner, inputs)
-                    if last:
-                        marks["forward_end"] = len(tracer.events)
-                    del out
-                    continue
-                if step == 0 and steps > 1 and not scripted:
-                    _first_step(updater, trainable, tracer, claim, host_scalars)
-                    continue
-                for micro in range(n_micro):
-                    out = loss = None  # the previous micro-batch's output lives until this one replaces it
-                    tracer.stage = FORWARD
-                    with amp:
-                        out = _call(runner, inputs)
-                        tracer.stage = LOSS
-                        loss = loss_fn(out)
-                    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                        raise EstimateError("loss_fn must return a scalar tensor, got "
-                                            f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
-                    if last and micro == n_micro - 1:
-                        marks["forward_end"] = len(tracer.events)
-                    tracer.stage = BACKWARD
-                    loss.backward()
-                    for p in trainable:
-                        claim(p.grad, ("gradients", "gradients"))
-                assert optimizer is not None
-                for i, p in enumerate(trainable):  # state stood in for a parameter this step leaves without a gradient
-                    key = masters[i] if masters else p
-                    if p.grad is None and key in optimizer.state:
-                        del optimizer.state[key]
-                if last:
-                    marks["backward_end"] = len(tracer.events)
-                tracer.stage = OPTIMIZER
-                updater.step()
-                _claim_state(optimizer, claim, host_scalars)
-                if last:
-                    marks["step_end"] = len(tracer.events)
-                tracer.stage = ZERO_GRAD
-                updater.zero_grad(set_to_none=True)
-                del out, loss  # as a loop that ends each step with `del out, loss` (or returns) does
-            tracer.stage = SETUP
-    except FAKE_PROBLEMS as err:
-        where = tracer.problem or (str(err), tracer.module() or "(top level)", type(err).__name__)
-        problem = (f"{where[0]} in module {where[1]!r} needs real tensor values ({where[2]}), which fake tensors do "
-                   "not have; the estimate covers what ran before it")
-        marks.setdefault("forward_end", len(tracer.events))
-    except EstimateError:
-        raise
-    except Exception as err:
-        raise EstimateError(_failure(err, tracer, model, specs)) from err
+    # --- the plain numbers ------------------------------------------------------------------------------------
+    def result(self, t0: float) -> StepTrace:
+        import time
+
+        opts, tracer, owner = self.opts, self.tracer, self.owner
+        sizes, module = _label_storages(tracer, owner, self.names, self.model)
+        step_flops = [now - before for now, before in zip(tracer.flops, self.last_flops or [0] * len(tracer.flops))]
+        scale = opts.accumulate / self.n_micro if opts.accumulate > 1 else 1.0
+        flops = {
+            "forward": int((step_flops[FORWARD] + step_flops[LOSS]) * scale),
+            "backward": int(step_flops[BACKWARD] * scale),
+            "optimizer": int(step_flops[OPTIMIZER]),
+        }
+        return StepTrace(
+            sizes=sizes, owner=owner, module=module, events=tracer.events,
+            initial=tuple(tracer.initial) + tuple(tracer.late), marks=self.marks, flops=flops,
+            convs=tracer.convs, copies=tracer.copies, rnns=tracer.rnns, gemms=tracer.gemms,
+            host_scalars=self.host_scalars, problem=self.problem,
+            fused=bool(self.optimizer is not None and is_fused(self.optimizer)),
+            uses_matmul=tracer.matmul, batch=self.batch, seq=self.seq, micro_batch=self.micro_batch,
+            param_count=count_parameters(self.model),
+            param_bytes=sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "parameters"),
+            grad_bytes=sum(p.numel() * p.element_size() for p in self.trainable) if not opts.inference else 0,
+            state_bytes=sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "optimizer_state"),
+            unit_param_bytes=_unit_bytes(self.units), wall=time.perf_counter() - t0,
+            loss="" if opts.inference else describe_loss(self.loss_used, self.model, self.specs), notes=self.notes,
+            answered=tracer.answered,
+        )
+
+
+def _label_storages(tracer: StepTracer, owner: dict[int, tuple[str, str]], names: dict[int, str],
+                    model: nn.Module) -> tuple[dict[int, int], dict[int, str]]:
+    """Each storage's size and the module that made it; ``owner`` completed with what the unclaimed ones count
+    as, by the stage that made them (the phase → category mapping)."""
     sizes = {serial: size for serial, size in tracer.initial.items()}
     sizes.update(tracer.late)
     made = tracer.made
@@ -375,16 +414,11 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
             owner[serial] = ("other", "temporaries")
     for serial in tracer.late:
         owner.setdefault(serial, ("other", "temporaries"))
-    step_flops = [now - before for now, before in zip(tracer.flops, last_flops or [0] * len(tracer.flops))]
-    scale = opts.accumulate / n_micro if opts.accumulate > 1 else 1.0
-    flops = {
-        "forward": int((step_flops[FORWARD] + step_flops[LOSS]) * scale),
-        "backward": int(step_flops[BACKWARD] * scale),
-        "optimizer": int(step_flops[OPTIMIZER]),
-    }
-    param_bytes = sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "parameters")
-    grad_bytes = sum(p.numel() * p.element_size() for p in trainable) if not opts.inference else 0
-    state_bytes = sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "optimizer_state")
+    return sizes, module
+
+
+def _unit_bytes(units: list[nn.Module]) -> list[int]:
+    """Bytes of each checkpoint/sharding unit's parameters (a parameter shared by two counted in the first)."""
     seen: set[int] = set()
     unit_bytes = []
     for u in units:
@@ -394,77 +428,7 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> 
                 seen.add(id(p))
                 n += p.numel() * p.element_size()
         unit_bytes.append(n)
-    trace = StepTrace(
-        sizes=sizes, owner=owner, module=module, events=tracer.events,
-        initial=tuple(tracer.initial) + tuple(tracer.late), marks=marks, flops=flops,
-        convs=tracer.convs, copies=tracer.copies, rnns=tracer.rnns, gemms=tracer.gemms,
-        host_scalars=host_scalars, problem=problem, fused=bool(optimizer is not None and is_fused(optimizer)),
-        uses_matmul=tracer.matmul, batch=batch, seq=seq, micro_batch=micro_batch,
-        param_count=count_parameters(model), param_bytes=param_bytes, grad_bytes=grad_bytes,
-        state_bytes=state_bytes, unit_param_bytes=unit_bytes, wall=time.perf_counter() - t0,
-        loss="" if opts.inference else _describe_loss(loss_used[0], model, specs), notes=notes,
-        answered=tracer.answered,
-    )
-    return trace
-
-
-_STAGE_WORDS = {FORWARD: "the forward pass", LOSS: "the loss", BACKWARD: "the backward pass",
-                OPTIMIZER: "the optimizer step", ZERO_GRAD: "zero_grad", SETUP: "the step"}
-
-
-def _failure(err: Exception, tracer: StepTracer, model: nn.Module, specs: Any) -> str:
-    """What went wrong, where (op, module, the shapes the op saw, the stage) and, only when the inputs are
-    the likely cause, a word about them."""
-    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    if tracer.failed_in is None:
-        where = tracer.module() or "(top level)"
-        stage = _STAGE_WORDS.get(tracer.stage, "the step")
-        text = f"the model raised {type(err).__name__} in module {where!r} during {stage}: {message}"
-        if isinstance(err, TypeError) and tracer.stage == FORWARD and not tracer.modstack:
-            bad = _call_mismatch(model, specs)
-            if bad:
-                text += f" — the inputs do not match the model's forward(): {bad}"
-        return text
-    op, where, shapes = tracer.failed_in
-    stage = tracer.failed_stage
-    during = _STAGE_WORDS.get(stage, "the step")
-    if stage == BACKWARD and where != "(top level)":
-        during = "the recomputed forward of activation checkpointing (in the backward pass)"
-    text = (f"the model raised {type(err).__name__} in module {where!r} at {op} on ({shapes}) during {during}: "
-            f"{message}")
-    if tracer.failed_on_input and stage in (FORWARD, LOSS):
-        text += f" — the op received one of the inputs directly: check their shapes and dtypes ({_describe(specs)})"
-    return text
-
-
-def _describe(specs: Any) -> str:
-    from .fake import TensorSpec
-
-    def one(s: Any) -> str:
-        return f"{tuple(s.shape)} {str(s.dtype).replace('torch.', '')}" if isinstance(s, TensorSpec) else repr(s)
-
-    if isinstance(specs, Mapping):
-        return ", ".join(f"{k}={one(v)}" for k, v in specs.items())
-    if isinstance(specs, (tuple, list)):
-        return ", ".join(one(v) for v in specs)
-    return one(specs)
-
-
-def _call_mismatch(model: nn.Module, specs: Any) -> str:
-    try:
-        sig = inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return ""
-    try:
-        if isinstance(specs, Mapping):
-            sig.bind(**specs)
-        elif isinstance(specs, (tuple, list)) and not (is_named_tuple(specs) and _takes_one(model, specs)):
-            sig.bind(*specs)
-        else:
-            sig.bind(specs)
-    except TypeError as bad:
-        return f"{bad} (forward{sig})"
-    return ""
+    return unit_bytes
 
 
 @contextlib.contextmanager
@@ -487,19 +451,6 @@ def _compiled_step(compiled: bool, tracer: StepTracer) -> Any:
             yield
     finally:
         ACTIVE.remove(tracer)
-
-
-def _describe_loss(used: str, model: nn.Module, specs: Any) -> str:
-    if not used or used.startswith("the model's own") or used.startswith("loss_fn"):
-        return used or "none (the step stopped before the loss)"
-    hint = 'pass loss_fn=... (%vram_estimate: --loss "lambda out: ...")'
-    try:
-        takes_labels = "labels" in inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        takes_labels = False
-    if takes_labels and not (isinstance(specs, Mapping) and "labels" in specs):
-        hint = "put labels in the inputs to train on the model's own loss, or " + hint
-    return f"stand-in {used}: the model computed no loss; {hint}"
 
 
 def _claim_state(optimizer: torch.optim.Optimizer, claim: Callable[..., int | None], host_scalars: set[int]) -> None:
@@ -564,4 +515,5 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
-__all__ = ["EstimateError", "Request", "StepTrace", "trace_step", "SETUP", "OPTIMIZER"]
+__all__ = ["EstimateError", "Request", "StepTrace", "default_loss", "stand_in_loss", "trace_step", "SETUP",
+           "OPTIMIZER"]
