@@ -128,6 +128,8 @@ def mlp_step_ratios(rounds: int = 80) -> dict[str, float]:
     inside = inside[-rounds:]  # not the warm-up runs
     out["tracker over an empty dispatch mode: wall ratio"] = _paired(
         wall["measure()"], wall["empty dispatch mode, no dynamo wrapper"], ratio)
+    out["tracker over an empty dispatch mode: CPU-time ratio"] = _paired(
+        cpu["measure()"], cpu["empty dispatch mode, no dynamo wrapper"], ratio)
     out["measure(), the step inside the block: wall ratio"] = _paired(inside, wall["plain"], ratio)
     out["measure(), its start and end (ms)"] = _paired(wall["measure()"], inside, operator.sub) * 1000
     return out

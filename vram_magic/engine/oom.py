@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
-from types import TracebackType
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
 
 from .frames import is_user_code
+from .tensors import storage_parts
 
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,6 +20,27 @@ def release_traceback(tb: TracebackType) -> None:
     user's exception is what propagates, whatever its frames hold."""
     try:
         _release(tb)
+    except Exception:
+        pass
+
+
+def name_holders(frame: FrameType | None, registry: Any, holders: dict[int, str]) -> None:
+    """Which local variables of the user's frames (``frame`` and its callers) hold memory at an OOM: serial ->
+    ``"x in f()"`` (a global's plain name) into ``holders``, names and serials only. Never raises: the OOM is what
+    the user must see, whatever their locals hold."""
+    try:
+        while frame is not None:
+            if is_user_code(frame.f_code):
+                func = frame.f_code.co_name
+                for name, value in list(frame.f_locals.items()):
+                    if not issubclass(type(value), torch.Tensor):  # type(), not isinstance: no __class__
+                        continue
+                    for storage, _ in storage_parts(value) or ():
+                        entry = registry.get(id(storage))
+                        if entry is not None and entry.serial not in holders:
+                            # module-level code: the variable is a global, named as such
+                            holders[entry.serial] = name if func == "<module>" else f"{name} in {func}()"
+            frame = frame.f_back
     except Exception:
         pass
 

@@ -28,6 +28,7 @@ from .frames import user_site
 from .generation import GenerationStages
 from .mode_stack import leave_mode_stack as leave_mode_stack
 from .observer import TrackerObserver
+from .oom import name_holders
 from .op_kinds import (
     ADDMM,
     ALIASING,
@@ -49,7 +50,7 @@ from .registry import Entry, LiveStorages, storage_size
 from .scratch_ops import HALF, SCRATCH, gemm_copies
 from .scratch_ops import now as _now
 from .storage_resize import unwatch_resizes, watch_resizes
-from .tensors import is_wrapper
+from .tensors import is_wrapper, storage_parts
 
 _current_node = torch._C._current_autograd_node
 _OpOverload = torch._ops.OpOverload
@@ -197,8 +198,6 @@ class Tracker(GenerationStages, CollectiveScopes, TorchDispatchMode):
     def _note_role(self, t: torch.Tensor, category: str, owner: Any) -> None:
         cls = type(t)
         if cls is not _Tensor and cls is not _Parameter and is_wrapper(t):  # a DTensor's shard, a quantized tensor
-            from .tensors import storage_parts
-
             for storage, kind in storage_parts(t) or ():
                 entry = self._lookup(id(storage))
                 if entry is not None:
@@ -338,36 +337,13 @@ class Tracker(GenerationStages, CollectiveScopes, TorchDispatchMode):
         # the frames that held the cell's temporaries
         self.oom = {"requested": size, "in_use": self.current, "site": site, "phase": self.phase(),
                     "index": len(self.events)}
-        self._name_locals(sys._getframe(depth))
+        name_holders(sys._getframe(depth), self.registry, self.oom_holders)
         msg = (
             f"{self.device} out of memory under the simulated budget: tried to allocate "
             f"{format_bytes(size)}; {format_bytes(self.current)} of the {format_bytes(self.budget or 0)} "
             f"budget already in use ({format_bytes(max((self.budget or 0) - self.current, 0))} free)."
         )
         raise torch.OutOfMemoryError(msg)
-
-    def _name_locals(self, frame: Any) -> None:
-        """Which local variables of the user's frames hold memory at an OOM (names and serials only). Never
-        raises: the OOM is what the user must see, whatever their locals hold."""
-        from .frames import is_user_code
-        from .tensors import storage_parts
-
-        try:
-            while frame is not None:
-                if is_user_code(frame.f_code):
-                    func = frame.f_code.co_name
-                    for name, value in list(frame.f_locals.items()):
-                        if not issubclass(type(value), torch.Tensor):  # type(), not isinstance: no __class__
-                            continue
-                        for storage, _ in storage_parts(value) or ():
-                            entry = self.registry.get(id(storage))
-                            if entry is not None and entry.serial not in self.oom_holders:
-                                # module-level code: the variable is a global, named as such
-                                label = name if func == "<module>" else f"{name} in {func}()"
-                                self.oom_holders[entry.serial] = label
-                frame = frame.f_back
-        except Exception:
-            pass
 
     def count_late(self, storage: Any) -> None:
         """A storage alive before the cell that no scan found (seen as an op's input/alias): counted as alive

@@ -29,8 +29,7 @@ from .values import answer, propagate
 # The stages of a traced step (engine/phases.py holds every phase), under the names they always had here
 SETUP, FORWARD, LOSS, BACKWARD, OPTIMIZER, ZERO_GRAD = Phase.SETUP, Phase.FORWARD, Phase.LOSS, Phase.BACKWARD, \
     Phase.OPTIMIZER, Phase.ZERO_GRAD
-STAGES = tuple(PHASE_NAMES[p] if p != SETUP else "setup" for p in (SETUP, FORWARD, LOSS, BACKWARD, OPTIMIZER,
-                                                                  ZERO_GRAD))
+STAGES = ("setup", "forward", "loss", "backward", "optimizer", "zero_grad")
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
 _DEVICE = torch.ops.prim.device.default
