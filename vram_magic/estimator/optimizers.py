@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .options import OptimizerChoice
+
 _BY_NAME: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, {"lr": 1e-3}),
     "sgd-momentum": (torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}),
@@ -24,15 +26,16 @@ _BY_NAME: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 
 
 def make_optimizer(spec: Any, params: list[torch.nn.Parameter], device: str) -> torch.optim.Optimizer:
-    """``spec``: a name from :data:`_BY_NAME`, an optimizer class, or an optimizer object whose class and
-    hyper-parameters are reused (never its state or parameters)."""
+    """``spec``: a name from :data:`_BY_NAME`, an optimizer class, or an optimizer object (or the
+    ``options.OptimizerChoice`` made of one) whose class and hyper-parameters are reused (never its state or
+    parameters)."""
     if isinstance(spec, str):
         cls, kwargs = _BY_NAME[spec]
         kwargs = dict(kwargs)
     elif isinstance(spec, type):
         cls, kwargs = spec, {}
     else:
-        cls = type(spec)
+        cls = spec.cls if isinstance(spec, OptimizerChoice) else type(spec)
         kwargs = {k: v for k, v in spec.defaults.items() if _accepts(cls, k)}
     if device == "cuda" and _accepts(cls, "foreach") and kwargs.get("foreach") is None \
             and not kwargs.get("fused"):

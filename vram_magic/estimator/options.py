@@ -32,8 +32,26 @@ def short_dtype(dtype: torch.dtype | None) -> str:
 
 
 @dataclass(frozen=True)
+class OptimizerChoice:
+    """An optimizer object given as ``optimizer=``, kept as what an estimate reuses of it: its class and
+    hyper-parameters, never its parameters or state (the user's real tensors)."""
+
+    cls: type
+    hyper: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> OptimizerChoice:
+        return cls(type(optimizer), tuple(optimizer.defaults.items()))
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return dict(self.hyper)
+
+
+@dataclass(frozen=True)
 class Options:
-    """One configuration of a step. ``optimizer`` is a name, an optimizer class or an optimizer object."""
+    """One configuration of a step. ``optimizer`` is a name, an optimizer class or an :class:`OptimizerChoice`
+    (what an optimizer object was)."""
 
     optimizer: Any = "adamw"
     inference: bool = False
@@ -83,6 +101,8 @@ def optimizer_name(opt: Any) -> str:
         return opt
     if isinstance(opt, type):
         return opt.__name__
+    if isinstance(opt, OptimizerChoice):
+        return opt.cls.__name__
     return type(opt).__name__
 
 
@@ -113,7 +133,9 @@ def make_options(
     elif isinstance(optimizer, type):
         if not issubclass(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer class {optimizer.__name__} is not a torch.optim.Optimizer")
-    elif not isinstance(optimizer, torch.optim.Optimizer):
+    elif isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = OptimizerChoice.of(optimizer)
+    elif not isinstance(optimizer, OptimizerChoice):
         raise TypeError(f"optimizer must be a name ({', '.join(OPTIMIZERS)}), a torch.optim.Optimizer class or "
                         f"object, not {type(optimizer).__name__}")
     dt = parse_dtype(dtype)
