@@ -302,7 +302,7 @@ class Measurement:
         is_oom = exc_type is not None and issubclass(exc_type, torch.OutOfMemoryError)
         # Frees caused by the clean-up below still count as this cell's events.
         if tracker is not None:
-            self.registry.on_free = tracker._freed
+            self.registry.on_free = tracker.on_free
         try:
             if is_oom and tb is not None:
                 release_traceback(tb)

@@ -243,11 +243,6 @@ class Tracker(GenerationStages, CollectiveScopes, TorchDispatchMode):
         if entry.device == self.device and self.observer.storage_freed(entry):  # type: ignore[union-attr]
             self.count_free(entry)
 
-    @property
-    def _freed(self) -> Any:
-        """The registry's callback while active (the old name of :attr:`on_free`)."""
-        return self.on_free
-
     def count_free(self, entry: Entry) -> None:
         """``entry``'s storage is freed: counted in the history and the live bytes (once; the registry calls
         :attr:`on_free` when a storage dies, which is this method unless an observer may veto)."""

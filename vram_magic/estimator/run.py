@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..engine.phases import PHASE_CATEGORY, Phase, phase_category
 from ..engine.registry import LiveStorages
 from .adapt import adapt
 from .errors import EstimateError, failure_message
@@ -387,7 +388,7 @@ class _FakeStep:
 def _label_storages(tracer: StepTracer, owner: dict[int, tuple[str, str]], names: dict[int, str],
                     model: nn.Module) -> tuple[dict[int, int], dict[int, str]]:
     """Each storage's size and the module that made it; ``owner`` completed with what the unclaimed ones count
-    as, by the stage that made them (the phase → category mapping)."""
+    as, by the stage that made them (the one phase → category table, ``engine.phases``)."""
     sizes = {serial: size for serial, size in tracer.initial.items()}
     sizes.update(tracer.late)
     made = tracer.made
@@ -400,20 +401,9 @@ def _label_storages(tracer: StepTracer, owner: dict[int, tuple[str, str]], names
         module[serial] = own if mod == root and mod else mod
         if serial in owner:
             continue
-        if stage in (FORWARD, LOSS):
-            owner[serial] = ("activations", "loss" if stage == LOSS and not mod else "forward intermediates")
-        elif stage == BACKWARD:
-            # the gradients flowing back through the graph count as activations, as measure() counts them
-            owner[serial] = ("activations", "recomputed (checkpointing)") if recompute else (
-                "activations", "activation gradients (backward)")
-        elif stage == OPTIMIZER:
-            owner[serial] = ("other", "optimizer temporaries")
-        elif stage == ZERO_GRAD:
-            owner[serial] = ("other", "zero_grad temporaries")
-        else:
-            owner[serial] = ("other", "temporaries")
+        owner[serial] = phase_category(stage, mod, recompute)
     for serial in tracer.late:
-        owner.setdefault(serial, ("other", "temporaries"))
+        owner.setdefault(serial, PHASE_CATEGORY[Phase.CELL])
     return sizes, module
 
 
