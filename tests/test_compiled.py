@@ -12,6 +12,14 @@ from conftest import run_ok
 
 pytestmark = pytest.mark.slow  # inductor compiles C++ on the CPU: seconds per model
 
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """A compiled model run under a forced ``--backend tracker`` leaves TorchDynamo cache entries under which a
+    compiled model made later runs eagerly (README, Limits): reset after each test, so later tests compile."""
+    yield
+    torch._dynamo.reset()
+
 SETUP = """
 import torch
 from torch._inductor.compile_fx import compile_fx

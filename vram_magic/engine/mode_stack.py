@@ -57,3 +57,23 @@ _MODE_FLAGS = (
 
 
 __all__ = ["leave_mode_stack"]
+
+
+def never_compiled(*functions: object) -> None:
+    """TorchDynamo never tries to compile these functions' frames, nor the frames they call (a dispatch mode's
+    ``__torch_dispatch__``).
+
+    A mode that opts out of PyTorch's per-op dynamo wrapper (``_should_skip_dynamo``) is otherwise seen by
+    TorchDynamo as user code whenever it runs while a compiled function evaluates frames: it compiles it, again
+    for each new argument pattern, and past its recompile limit marks the code run-only, with a warning naming
+    the tracker. Marking the code skipped up front costs nothing per op (TorchDynamo reads the mark only where it
+    evaluates frames). Uses ``torch._C._dynamo.eval_frame.set_code_exec_strategy`` (torch 2.13); a
+    PyTorch without it is left as it is."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        return
+    for f in functions:
+        code = getattr(f, "__code__", None)
+        if code is not None:
+            set_code_exec_strategy(code, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))

@@ -27,6 +27,7 @@ from .collectives import FSDP_REDUCE_SCATTER, FSDP_UNSHARDED, FSDP_UNSHARDED_GRA
 from .frames import user_site
 from .generation import GenerationStages
 from .mode_stack import leave_mode_stack as leave_mode_stack
+from .mode_stack import never_compiled
 from .observer import TrackerObserver
 from .oom import name_holders
 from .op_kinds import (
@@ -543,6 +544,9 @@ class Tracker(GenerationStages, CollectiveScopes, TorchDispatchMode):
 
 
 _user_steps: dict[type, bool] = {}
+
+
+never_compiled(Tracker.__torch_dispatch__)  # see mode_stack.never_compiled
 
 
 def _user_step(optimizer: Any) -> bool:

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils.flop_counter import flop_registry
 
+from ..engine.mode_stack import never_compiled
 from ..engine.observer import TrackerObserver
 from ..engine.op_kinds import aliases, is_composite, run_decomposed
 from ..engine.phases import PHASE_NAMES, Phase
@@ -277,3 +278,6 @@ class StepTracer(Tracker):
             if extra:
                 self.copies.append((len(self.events), extra))
         return out
+
+
+never_compiled(StepTracer.__torch_dispatch__)  # see engine.mode_stack.never_compiled
