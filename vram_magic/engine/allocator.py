@@ -23,6 +23,14 @@ from typing import Any, NamedTuple
 import torch
 
 from .stderr_filter import StderrFilter
+from .torch_private import (
+    profiler_enabled,
+    profiler_event_type,
+    profiler_record_scope,
+    python_profiler_enabled,
+    start_memory_profiler,
+    stop_profiler,
+)
 from .tracker import BACKWARD, CELL, FORWARD, OPTIMIZER
 
 # Phases only this backend tells apart: memory freed by ``zero_grad`` was a gradient.
@@ -32,7 +40,7 @@ ZERO_GRAD = -1
 def profiler_busy() -> bool:
     """A profiler is recording in this process (the user's own, or an outer measured block)."""
     try:
-        return bool(torch._C._autograd._profiler_enabled())
+        return profiler_enabled()
     except Exception:
         return True
 
@@ -88,22 +96,8 @@ class AllocatorRecorder:
         self._filter: StderrFilter | None = None
 
     def start(self) -> AllocatorRecorder:
-        from torch._C._autograd import _enable_profiler, _prepare_profiler
-        from torch._C._profiler import (
-            ProfilerActivity,
-            ProfilerConfig,
-            ProfilerState,
-            RecordScope,
-            _ExperimentalConfig,
-        )
-
-        config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
-        activities = {ProfilerActivity.CPU}
         with quiet_stderr():
-            _prepare_profiler(config, activities)
-            # no scopes at all is one that eager code never opens (an empty set would record every op)
-            _enable_profiler(config, activities, {RecordScope.USER_SCOPE, RecordScope.BACKWARD_FUNCTION}
-                             if self.scopes else {RecordScope.STATIC_RUNTIME_MODEL})
+            start_memory_profiler(self.scopes)
         self._on = True
         # from here on, c10 logs a line to stderr when the cell frees a block made before the recording
         self._filter = StderrFilter().start()
@@ -125,13 +119,10 @@ class AllocatorRecorder:
         if self._filter is not None:
             self._filter.stop()
             self._filter = None
-        import torch.autograd.profiler as autograd_profiler
-        from torch._C._autograd import _disable_profiler
-
-        if not profiler_busy() or getattr(autograd_profiler, "_is_profiler_enabled", False):
+        if not profiler_busy() or python_profiler_enabled():
             return None
         with quiet_stderr():
-            result = _disable_profiler()
+            result = stop_profiler()
         return result.experimental_event_tree()
 
 
@@ -151,10 +142,9 @@ def _phase_of(name: str, scope: Any, backward_scope: Any) -> int | None:
 def read_events(roots: Iterable[Any], device: str) -> Recording:
     """The memory events of ``device`` in a profiler event tree, each with the phase of its innermost known
     scope (``FORWARD`` outside any: forward or plain cell code, which this backend does not tell apart)."""
-    from torch._C._profiler import RecordScope, _EventType
-
-    allocation, torch_op = _EventType.Allocation, _EventType.TorchOp
-    backward_scope = RecordScope.BACKWARD_FUNCTION
+    event_type = profiler_event_type()
+    allocation, torch_op = event_type.Allocation, event_type.TorchOp
+    backward_scope = profiler_record_scope().BACKWARD_FUNCTION
     want = torch.device(device)
     want_type = want.type
     want_index = (want.index if want.index is not None else 0) if want_type == "cuda" else None

@@ -43,6 +43,7 @@ from .namespace import FrameNamespace, add_other
 from .oom import release_traceback
 from .registry import LiveStorages
 from .scratch import ScratchRecorder, add_scratch, sizes_of, spikes, window_events
+from .torch_private import current_mode_stack
 from .tracker import FORWARD, PHASE_NAMES, Tracker
 
 BACKENDS = ("auto", "tracker", "allocator")
@@ -68,9 +69,7 @@ def check_backend(backend: Any) -> str:
 def _dispatch_modes_active() -> bool:
     """A dispatch mode of the user's (not a measuring block's own tracker) is on the stack."""
     try:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
-        return any(not isinstance(m, Tracker) for m in _get_current_dispatch_mode_stack())
+        return any(not isinstance(m, Tracker) for m in current_mode_stack())
     except Exception:
         return False
 

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from .torch_private import DYNAMO_MODULE, optimized_module_class
+
 _COMPILES = re.compile(r"\btorch\.compile\b|\.compile\s*\(|\bcompile\s*\(\s*[A-Za-z_]")
 _MAX_VALUES = 5_000
 _MAX_MODULES = 20_000
@@ -24,10 +26,10 @@ def compiled_reason(namespace: Mapping[str, Any] | None, source: str = "") -> st
     compiled submodule) or a compiled function."""
     if source and _COMPILES.search(_without_strings(source)):
         return "the cell calls compile"
-    if "torch._dynamo" not in sys.modules or not namespace:
+    if DYNAMO_MODULE not in sys.modules or not namespace:
         return ""
     try:
-        from torch._dynamo.eval_frame import OptimizedModule
+        OptimizedModule = optimized_module_class()
     except Exception:  # a PyTorch whose dynamo cannot be imported compiles nothing
         return ""
     import torch

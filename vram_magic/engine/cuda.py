@@ -28,6 +28,14 @@ from ..report import DeviceStats
 from ..units import format_bytes
 from .cuda_history import HistoryReplay, cell_window, end_blocks, expected_entries, replay_blocks
 from .cuda_oom import parse_oom_message, requested_bytes
+from .torch_private import (
+    cuda_has_primary_context,
+    cuda_history_enabled,
+    default_device_context,
+    memory_snapshot,
+    record_memory_history,
+    set_record_memory_history,
+)
 
 #: entries of the history the engine records itself (about three per tensor: alloc, free requested, completed)
 HISTORY_ENTRIES = 300_000
@@ -45,7 +53,7 @@ def has_context(index: int) -> bool:
     """Whether ``cuda:index`` already has a (primary) context; asking creates none."""
     if not initialized():
         return False
-    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    probe = cuda_has_primary_context()
     if probe is None:
         return False
     try:
@@ -71,7 +79,7 @@ def _current_index() -> int:
         except Exception:
             return 0
     try:  # torch.get_default_device() would make a tensor to learn an unindexed device's index
-        context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+        context = default_device_context()
         device = getattr(context, "device", None)
         if device is not None and device.type == "cuda" and device.index is not None:
             return int(device.index)
@@ -373,14 +381,13 @@ class CudaCell:
             self.notes.append(f"the {self.backend} allocator keeps no allocation history: the cell's peak comes from "
                               "its counters (the driver's high-water mark when it rose during the cell)")
             return
-        memory = torch.cuda.memory
         try:
-            if bool(torch._C._cuda_isHistoryEnabled()):
+            if cuda_history_enabled():
                 self.history = "user"  # theirs: read, never changed
                 return
         except Exception:
             pass
-        record = memory._record_memory_history
+        record = record_memory_history()
         try:
             try:  # no stacks: the replay reads sizes and addresses only
                 record(enabled="all", context=None, stacks="python", max_entries=self.history_entries,
@@ -399,7 +406,7 @@ class CudaCell:
             return record(*args, **kwargs)
 
         self._patched = record
-        memory._record_memory_history = watched
+        set_record_memory_history(watched)
 
     def stop(self) -> None:
         """Put back what :meth:`start` changed (history, fraction) and read the cell's figures. Never raises."""
@@ -409,10 +416,10 @@ class CudaCell:
         snapshot = None
         try:
             if self._patched is not None:
-                torch.cuda.memory._record_memory_history = self._patched
+                set_record_memory_history(self._patched)
             if self.history is not None:
                 try:
-                    snapshot = torch.cuda.memory._snapshot()
+                    snapshot = memory_snapshot()
                 except Exception as err:
                     self.notes.append(f"the allocator's history could not be read ({type(err).__name__}: {err})")
             if self.history == "ours":

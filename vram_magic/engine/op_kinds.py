@@ -11,9 +11,11 @@ import sys
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _pop_mode, _push_mode
 
 from .scratch_ops import uses_scratch
+from .torch_private import DYNAMO_MODULE, TRACING_TENSORS_PACKAGE, has_kernel_for_dispatch_key
+from .torch_private import pop_mode as _pop_mode
+from .torch_private import push_mode as _push_mode
 
 is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
@@ -30,7 +32,7 @@ class _CompilingFlag:
 # that returns this flag, which dynamo holds True while it traces. No tracing without dynamo imported: check
 # ``DYNAMO in LOADED`` first.
 COMPILER: Any = torch.compiler if hasattr(torch.compiler, "_is_compiling_flag") else _CompilingFlag()
-DYNAMO = "torch._dynamo"
+DYNAMO = DYNAMO_MODULE
 LOADED = sys.modules
 
 # `torch.tensor(...)` builds its data outside dispatch and hands it over through lift_fresh, which returns an
@@ -68,7 +70,7 @@ def decided(func: Any) -> int:
 def is_composite(func: Any, kernels: tuple[str, ...] = ("CPU", "CUDA")) -> bool:
     """An op with no kernel of its own, only its decomposition (``linear``, ``cross_entropy_loss``): none for any
     of the dispatch keys ``kernels``."""
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    has = has_kernel_for_dispatch_key
     try:
         name = func.name()
         return bool(has(name, "CompositeImplicitAutograd") and not any(has(name, k) for k in kernels)
@@ -128,7 +130,7 @@ def defers(types: Any, cache: dict[Any, bool]) -> bool:
     tracing tensors (fake and functional tensors belong to compilation, which runs unmeasured). Kept in ``cache``
     (one per tracker) except while torch.compile traces."""
     hit = bool(types) and all(getattr(t, "__tensor_flatten__", None) is not None
-                              and not str(getattr(t, "__module__", "")).startswith("torch._subclasses")
+                              and not str(getattr(t, "__module__", "")).startswith(TRACING_TENSORS_PACKAGE)
                               for t in types)
     if DYNAMO in LOADED and is_compiling():
         return False  # not cached: the same types outside compilation are deferred

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from .allocator import AllocatorRecorder, profiler_busy
 from .scratch_ops import SCRATCH
+from .torch_private import profiler_event_type
 
 if TYPE_CHECKING:
     from .tracker import Tracker
@@ -69,9 +70,7 @@ class ScratchRecorder:
 def window_events(roots: Sequence[Any], windows: Sequence[Window]) -> list[list[tuple[int, int]]]:
     """The CPU allocator's events (``(ns, bytes)``, negative for a free) inside each window, in order. Only an
     event's time is read unless it falls inside a window (most do not: pybind reads cost)."""
-    from torch._C._profiler import _EventType
-
-    allocation = _EventType.Allocation
+    allocation = profiler_event_type().Allocation
     starts = [w[0] for w in windows]
     ends = [w[1] for w in windows]
     inside: list[list[tuple[int, int]]] = [[] for _ in windows]

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .torch_private import patch_storage_resize, storage_resize, unpatch_storage_resize
+
 _watchers: list[Any] = []
 _original: Any = None
 
@@ -31,8 +33,8 @@ def watch_resizes(tracker: Any) -> None:
     """Tell ``tracker`` of every storage resized from now on (wraps ``UntypedStorage.resize_`` if not yet)."""
     global _original
     if not _watchers:
-        _original = torch.UntypedStorage.resize_
-        torch.UntypedStorage.resize_ = _resize_  # type: ignore[method-assign]
+        _original = storage_resize()
+        patch_storage_resize(_resize_)
     _watchers.append(tracker)
 
 
@@ -42,8 +44,7 @@ def unwatch_resizes(tracker: Any) -> None:
     if tracker in _watchers:
         _watchers.remove(tracker)
         if not _watchers:
-            if torch.UntypedStorage.__dict__.get("resize_") is _resize_:
-                del torch.UntypedStorage.resize_
+            unpatch_storage_resize(_resize_)
             _original = None
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .quantized import parameter_parts, subclass_format
+from .torch_private import TRACING_TENSORS_PREFIX
 
 _MAX_DEPTH = 4
 
@@ -73,7 +74,7 @@ def is_wrapper(t: Any) -> bool:
     """A wrapper subclass (``_make_wrapper_subclass``) has a storage object without memory behind it; so have
     PyTorch's own tracing tensors (fake and functional tensors: a DTensor's sharding propagation makes fake ones
     while a rank is measured)."""
-    if str(getattr(type(t), "__module__", "")).startswith("torch._subclasses."):
+    if str(getattr(type(t), "__module__", "")).startswith(TRACING_TENSORS_PREFIX):
         return True
     try:
         t.untyped_storage().data_ptr()

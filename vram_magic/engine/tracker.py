@@ -17,7 +17,6 @@ from array import array
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..units import format_bytes
 from . import generation, op_kinds
@@ -26,8 +25,6 @@ from .collectives import FSDP_ALL_GATHER as FSDP_ALL_GATHER
 from .collectives import FSDP_REDUCE_SCATTER, FSDP_UNSHARDED, FSDP_UNSHARDED_GRADS, CollectiveScopes
 from .frames import user_site
 from .generation import GenerationStages
-from .mode_stack import leave_mode_stack as leave_mode_stack
-from .mode_stack import never_compiled
 from .observer import TrackerObserver
 from .oom import name_holders
 from .op_kinds import (
@@ -52,9 +49,11 @@ from .scratch_ops import HALF, SCRATCH, gemm_copies
 from .scratch_ops import now as _now
 from .storage_resize import unwatch_resizes, watch_resizes
 from .tensors import is_wrapper, storage_parts
+from .torch_private import OpOverload as _OpOverload
+from .torch_private import TorchDispatchMode, never_compiled
+from .torch_private import current_autograd_node as _current_node
+from .torch_private import leave_mode_stack as leave_mode_stack
 
-_current_node = torch._C._current_autograd_node
-_OpOverload = torch._ops.OpOverload
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -546,7 +545,7 @@ class Tracker(GenerationStages, CollectiveScopes, TorchDispatchMode):
 _user_steps: dict[type, bool] = {}
 
 
-never_compiled(Tracker.__torch_dispatch__)  # see mode_stack.never_compiled
+never_compiled(Tracker.__torch_dispatch__)  # see torch_private.never_compiled
 
 
 def _user_step(optimizer: Any) -> bool:

@@ -34,8 +34,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import compiled_layout
+from . import compiled_layout, torch_private
 from .compiled_fusion import base_node, inlined_nodes, kernel_reads
+from .torch_private import OpOverload, modes_ignore_compile_internals
 
 NOTE = ("compiled (torch.compile): activations saved for backward as AOTAutograd's min-cut partitioner decides "
         "them (with Inductor's decompositions and graph passes); the partitioned graphs run op by op on fake "
@@ -46,9 +47,7 @@ def supported() -> bool:
     """Whether this PyTorch runs compiled code under a dispatch mode that asks to be left out of compilation
     (``ignore_compile_internals``, PyTorch 2.9): before it, TorchDynamo skips the frame (and may keep skipping
     that code afterwards), so compiled parts are estimated as eager code instead."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    return hasattr(TorchDispatchMode, "ignore_compile_internals")
+    return modes_ignore_compile_internals()
 
 
 EAGER_NOTE = ("compiled parts estimated as eager code: this PyTorch ({version}) cannot run compiled code under the "
@@ -129,27 +128,20 @@ def recompile(model: nn.Module, parts: dict[str, str]) -> Any:
 
 def estimating_backend() -> Any:
     """TorchDynamo backend: AOTAutograd with Inductor's decompositions and partitioner; graphs run op by op."""
-    from torch._dynamo.backends.common import aot_autograd
-
+    aot_autograd = torch_private.aot_autograd()
     try:
-        from torch._inductor.compile_fx import partition_fn
-        from torch._inductor.decomposition import select_decomp_table
+        partition_fn, select_decomp_table = torch_private.inductor_partition()
     except (ImportError, AttributeError):  # Inductor's private names moved: AOTAutograd's own min-cut partitioner
         from functools import partial
 
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-        partition_fn = partial(min_cut_rematerialization_partition, compiler="inductor")
+        partition_fn = partial(torch_private.min_cut_partition(), compiler="inductor")
 
         def select_decomp_table() -> Any:
             return {}
 
     def partition(gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
-        from torch._guards import detect_fake_mode
-        from torch._inductor.virtualized import V
-
         # Inductor's joint-graph passes read the fake mode Inductor would have set
-        with _unseen(), V.set_fake_mode(detect_fake_mode(joint_inputs)):
+        with _unseen(), torch_private.inductor_fake_mode(joint_inputs):
             return partition_fn(gm, joint_inputs, **kwargs)
 
     import functools
@@ -168,7 +160,7 @@ _FUSIBLE_NAMES = frozenset({"_to_copy", "inductor_random", "inductor_randint", "
 
 def _kind(node: Any) -> str:
     """``pointwise`` (computed inside the kernel of its consumer), ``reduction``, ``view`` or ``other``."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return "other"
     target = node.target
     if torch.Tag.pointwise in target.tags or target.__name__.split(".")[0] in _FUSIBLE_NAMES:
@@ -272,7 +264,7 @@ def deferred_frees(gm: torch.fx.GraphModule, virtual: set[Any], inplace: dict[An
         dies_at.setdefault(i, []).append(b)
 
     def allocates(node: Any) -> bool:
-        return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+        return (node.op == "call_function" and isinstance(node.target, OpOverload)
                 and kinds.get(node) != "view" and node not in virtual
                 and isinstance(node.meta.get("val"), torch.Tensor))
 
@@ -361,12 +353,9 @@ def _post_grad(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bool
     the addend is ready, which decides when a gradient dies). Private to Inductor: where a PyTorch lacks them
     or they fail, the graph runs as partitioned."""
     try:
-        from torch._guards import detect_fake_mode
-        from torch._inductor.compile_fx import _recursive_post_grad_passes
-        from torch._inductor.virtualized import V
-
-        with V.set_fake_mode(detect_fake_mode(example_inputs)):
-            _recursive_post_grad_passes(gm, is_inference=is_inference)
+        passes = torch_private.post_grad_passes()
+        with torch_private.inductor_fake_mode(example_inputs):
+            passes(gm, is_inference=is_inference)
     except Exception:  # noqa: BLE001 - an optional refinement of the model, never a reason to fail
         return
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .torch_private import OpOverload
+
 #: Ops whose reuse a CPU kernel would not recompute (``should_realize_on_reuse``'s heavy ops).
 HEAVY = frozenset({"exp", "log", "log10", "log1p", "log2", "sigmoid", "tanh"})
 REUSE_READS = 4  # config.realize_reads_threshold
@@ -141,7 +143,7 @@ def _consumers(node: Any, kinds: dict[Any, str], outputs: set[Any]) -> list[Any]
 
 def _heavy(node: Any) -> bool:
     target = getattr(node, "target", None)
-    name = getattr(target, "__name__", "") if isinstance(target, torch._ops.OpOverload) else ""
+    name = getattr(target, "__name__", "") if isinstance(target, OpOverload) else ""
     return name.split(".")[0] in HEAVY
 
 

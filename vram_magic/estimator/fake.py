@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeCopyMode, FakeTensorMode
+
+from .torch_private import FakeCopyMode, FakeTensorMode
 
 
 @dataclass(frozen=True)
@@ -323,6 +324,6 @@ def _normalise(model: nn.Module, mode: FakeTensorMode, dtype: torch.dtype | None
 
 
 def _is_fake(t: torch.Tensor, mode: FakeTensorMode) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
+    from .torch_private import FakeTensor
 
     return isinstance(t, FakeTensor) and t.fake_mode is mode

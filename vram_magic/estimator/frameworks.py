@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..engine.torch_private import MODULE_APPLY, set_module_apply
 from .values import ATTR
 
 # keyword arguments that carry or ask for a key/value cache, in the spellings models use
@@ -56,11 +57,11 @@ def not_tracing() -> Iterator[None]:
         utils.is_fake_tensor = original
 
 
-_module_apply = nn.Module._apply
+_module_apply = MODULE_APPLY
 
 
 def _apply(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
-    from torch._subclasses.fake_tensor import FakeTensor
+    from .torch_private import FakeTensor
 
     tensors = [t for m in (self.modules() if recurse else (self,)) for table in (m._parameters, m._buffers)
                for t in table.values() if t is not None]
@@ -89,11 +90,11 @@ def _apply(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
 
 @contextlib.contextmanager
 def _fake_modules_convert() -> Iterator[None]:
-    nn.Module._apply = _apply  # type: ignore[method-assign]
+    set_module_apply(_apply)
     try:
         yield
     finally:
-        nn.Module._apply = _module_apply  # type: ignore[method-assign]
+        set_module_apply(_module_apply)
 
 
 def enable_checkpointing(model: nn.Module, units: list[nn.Module]) -> str:

@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..engine.kv_cache import KV_CACHE, kv_cache_tensors
 from ..engine.registry import LiveStorages
@@ -30,6 +29,7 @@ from .generate_loop import Plan, can_jump, decoding
 from .options import Options, short_dtype
 from .quantize import count_parameters, parameter_labels
 from .run import EstimateError, Request, StepTrace
+from .torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode
 from .tracer import FAKE_PROBLEMS, FORWARD
 
 #: the category the cache's tensors are counted in
@@ -101,7 +101,7 @@ def trace_generate(request: Request, opts: Options, spec: GenerateSpec, *, cuda:
     """The fake run of one ``generate()`` call; the trace and what the loop learnt (cache slots, phases)."""
     t0 = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    log = logging.getLogger("torch._subclasses.fake_tensor")
+    log = logging.getLogger(FAKE_TENSOR_LOGGER)
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:
@@ -258,8 +258,7 @@ def _stand_in_values(model: Any, ids: Any) -> None:
     """Token ids whose values are not known (a random expression evaluated on fake tensors): generate() reads
     them (a pad token in the prompt makes a padding mask; negative ids; right padding), so they get stand-in
     values: one ordinary token everywhere, none of the model's special tokens — an unpadded prompt."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
+    from .torch_private import disable_current_modes as _disable_current_modes
     from .values import LIMIT, attach, value_of
 
     if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or value_of(ids) is not None:

@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 from torch.nn import functional as F
-from torch.utils._python_dispatch import _pop_mode, _push_mode
 
 from ..engine.caching_allocator import CachingAllocator
+from .torch_private import pop_mode as _pop_mode
+from .torch_private import push_mode as _push_mode
 from .tracer import StepTracer
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default

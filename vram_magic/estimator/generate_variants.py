@@ -21,7 +21,8 @@ import types
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+
+from .torch_private import disable_current_modes as _disable_current_modes
 
 
 def quanto_available() -> bool:

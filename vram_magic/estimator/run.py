@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..engine.phases import PHASE_CATEGORY, Phase, phase_category
 from ..engine.registry import LiveStorages
@@ -38,6 +37,7 @@ from .optimizers import is_fused, make_optimizer
 from .options import Options
 from .quantize import count_parameters, parameter_labels
 from .scripted import has_scripted
+from .torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode
 from .tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
 
 
@@ -128,7 +128,7 @@ def trace_step(request: Request, opts: Options) -> StepTrace:
 
     t0 = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    log = logging.getLogger("torch._subclasses.fake_tensor")
+    log = logging.getLogger(FAKE_TENSOR_LOGGER)
     level = log.level
     log.setLevel(logging.CRITICAL)  # fake tensors log a model's shape errors; ours says it once, clearly
     try:
@@ -429,15 +429,16 @@ def _compiled_step(compiled: bool, tracer: StepTracer) -> Any:
     if not compiled:
         yield
         return
-    import torch._dynamo
-
     from .compiled import ACTIVE
+    from .torch_private import dynamo_config
+
+    config = dynamo_config()
 
     ACTIVE.append(tracer)
     try:
         limits = {name: 1 << 20 for name in ("recompile_limit", "accumulated_recompile_limit")
-                  if hasattr(torch._dynamo.config, name)}
-        with torch._dynamo.config.patch(**limits):
+                  if hasattr(config, name)}
+        with config.patch(**limits):
             yield
     finally:
         ACTIVE.remove(tracer)

@@ -106,7 +106,9 @@ def _probe(func: str, spec: Any, batch: int) -> int:
 
 
 def _extra(prof: Any) -> int:
-    from torch._C._profiler import _EventType
+    from ..engine.torch_private import profiler_event_type
+
+    _EventType = profiler_event_type()
 
     allocs: list[tuple[int, int]] = []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())  # type: ignore[union-attr]

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .torch_private import construct_script_module
+
 
 def is_scripted(module: Any) -> bool:
     return isinstance(module, torch.jit.ScriptModule)
@@ -41,10 +43,8 @@ def replicate_scripted(model: nn.Module, memo: dict[int, Any], fake: Callable[[t
 
 
 def _replica(m: Any, name: str, memo: dict[int, Any], fake: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    from torch.jit._script import RecursiveScriptModule
-
     try:
-        copy = RecursiveScriptModule._construct(m._c._replicate_for_data_parallel(), lambda _: None)
+        copy = construct_script_module(m._c._replicate_for_data_parallel(), lambda _: None)
     except (AttributeError, RuntimeError) as err:  # a PyTorch without DataParallel's replication of script modules
         raise ValueError(f"{_where(m, name)} is a TorchScript module, which this PyTorch cannot copy onto fake "
                          f"tensors ({type(err).__name__}: {err}); estimate the Python module it was scripted or "

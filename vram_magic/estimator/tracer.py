@@ -11,20 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    UnsupportedOperatorException,
-)
 from torch.utils.flop_counter import flop_registry
 
-from ..engine.mode_stack import never_compiled
 from ..engine.observer import TrackerObserver
 from ..engine.op_kinds import aliases, is_composite, run_decomposed
 from ..engine.phases import PHASE_NAMES, Phase
 from ..engine.registry import Entry, LiveStorages
 from ..engine.scratch_ops import gemm_copies
+from ..engine.torch_private import never_compiled
 from ..engine.tracker import Tracker
+from .torch_private import DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException
 from .values import answer, propagate
 
 # The stages of a traced step (engine/phases.py holds every phase), under the names they always had here
@@ -280,4 +276,4 @@ class StepTracer(Tracker):
         return out
 
 
-never_compiled(StepTracer.__torch_dispatch__)  # see engine.mode_stack.never_compiled
+never_compiled(StepTracer.__torch_dispatch__)  # see engine.torch_private.never_compiled

@@ -17,7 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from .torch_private import TorchDispatchMode
+from .torch_private import disable_current_modes as _disable_current_modes
 
 ATTR = "_vram_magic_value"
 LIMIT = 1 << 20  # elements: masks and ids of a batch, never activations
@@ -59,7 +61,7 @@ def real_copy(value: torch.Tensor) -> torch.Tensor:
 
 
 def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
+    from .torch_private import FakeTensor
 
     return isinstance(t, FakeTensor)
 

@@ -20,6 +20,7 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
+from ..engine.torch_private import group_store_entry
 from ..report import CellReport
 from .result import RankReport, RankReports, rank_report
 
@@ -51,10 +52,7 @@ def _as_rank_report(report: Any, rank: int, world: int, backend: str) -> RankRep
 
 def _store(group: Any) -> Any:
     """The key-value store the group rendezvoused through (prefixed for that group)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    pg = group if group is not None else c10d._get_default_group()
-    entry = c10d._world.pg_map.get(pg)
+    entry = group_store_entry(group)
     if entry is None or entry[1] is None:
         raise RuntimeError("vram_magic.gather(): this process group has no store to gather through; pass "
                            "via='collective'")

@@ -1,0 +1,114 @@
+"""PyTorch's private names that the estimator relies on (fake tensors, TorchDynamo's configuration, AOTAutograd,
+Inductor and functorch internals, TorchScript's module copy), all in one place; the engine's own are in
+:mod:`vram_magic.engine.torch_private`, which this module re-exports where the estimator needs them.
+
+Each name says which PyTorch releases it was checked on (as in the engine's module: "2.5.1, 2.13, 2.15" read in
+those releases' sources and resolved on the installed 2.13). ``torch._subclasses.fake_tensor`` is loaded with
+``torch`` itself, so its names are bound here; TorchDynamo, Inductor and functorch's partitioners take seconds to
+import and are imported by their accessors, when an estimate first needs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch._subclasses import fake_tensor as _fake_tensor
+
+from ..engine.torch_private import OpOverload as OpOverload
+from ..engine.torch_private import TorchDispatchMode as TorchDispatchMode
+from ..engine.torch_private import disable_current_modes as disable_current_modes
+from ..engine.torch_private import modes_ignore_compile_internals as modes_ignore_compile_internals
+from ..engine.torch_private import pop_mode as pop_mode
+from ..engine.torch_private import push_mode as push_mode
+
+# --- fake tensors (torch/_subclasses/fake_tensor.py) -------------------------------------------------------
+
+#: The mode that makes every tensor a fake one (shapes, dtypes, devices; no memory). Checked on torch 2.5.1,
+#: 2.13, 2.15.
+FakeTensorMode = _fake_tensor.FakeTensorMode
+#: A fake tensor's class. Checked on torch 2.5.1, 2.13, 2.15.
+FakeTensor = _fake_tensor.FakeTensor
+#: ``copy.deepcopy`` under it turns real tensors into fake ones. Checked on torch 2.5.1, 2.13, 2.15.
+FakeCopyMode = _fake_tensor.FakeCopyMode
+#: What a fake op raises where its output depends on data, has a data-dependent shape, or has no fake kernel.
+#: Checked on torch 2.5.1, 2.13, 2.15.
+DataDependentOutputException = _fake_tensor.DataDependentOutputException
+DynamicOutputShapeException = _fake_tensor.DynamicOutputShapeException
+UnsupportedOperatorException = _fake_tensor.UnsupportedOperatorException
+#: The logger fake tensors report a model's shape errors to. Checked on torch 2.5.1, 2.13, 2.15.
+FAKE_TENSOR_LOGGER = _fake_tensor.__name__
+
+
+# --- TorchDynamo, AOTAutograd, Inductor (imported when first asked for) ----------------------------------
+
+def dynamo_config() -> Any:
+    """``torch._dynamo.config`` (``.patch(**values)``; ``recompile_limit`` and ``accumulated_recompile_limit``
+    where this PyTorch has them: torch 2.13, 2.15; 2.5.1 calls the first ``cache_size_limit``). The module itself
+    checked on torch 2.5.1, 2.13, 2.15. Imports TorchDynamo."""
+    import torch._dynamo
+
+    return torch._dynamo.config
+
+
+def aot_autograd() -> Any:
+    """``torch._dynamo.backends.common.aot_autograd``: a TorchDynamo backend from AOTAutograd's compilers.
+    Checked on torch 2.5.1, 2.13, 2.15. Imports TorchDynamo."""
+    from torch._dynamo.backends.common import aot_autograd as make
+
+    return make
+
+
+def inductor_partition() -> tuple[Any, Any]:
+    """``(partition_fn, select_decomp_table)`` from Inductor (``torch._inductor.compile_fx``,
+    ``torch._inductor.decomposition``); raises ImportError or AttributeError where they moved. Checked on torch
+    2.13, 2.15; in 2.5.1 ``partition_fn`` is local to ``compile_fx`` (ImportError: the caller falls back to
+    :func:`min_cut_partition`). Imports Inductor."""
+    from torch._inductor.compile_fx import partition_fn
+    from torch._inductor.decomposition import select_decomp_table
+
+    return partition_fn, select_decomp_table
+
+
+def min_cut_partition() -> Any:
+    """``torch._functorch.partitioners.min_cut_rematerialization_partition``, AOTAutograd's own partitioner.
+    Checked on torch 2.5.1, 2.13, 2.15."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition
+
+
+def inductor_fake_mode(example_inputs: Any) -> Any:
+    """A context in which Inductor's passes see the fake mode of ``example_inputs``, as Inductor would set it:
+    ``torch._inductor.virtualized.V.set_fake_mode(torch._guards.detect_fake_mode(...))``. Checked on torch 2.5.1,
+    2.13, 2.15. Imports Inductor."""
+    from torch._guards import detect_fake_mode
+    from torch._inductor.virtualized import V
+
+    return V.set_fake_mode(detect_fake_mode(example_inputs))
+
+
+def post_grad_passes() -> Any:
+    """``torch._inductor.compile_fx._recursive_post_grad_passes(gm, is_inference=...)``, Inductor's post-grad
+    pattern rewrites. Checked on torch 2.5.1, 2.13, 2.15. Imports Inductor."""
+    from torch._inductor.compile_fx import _recursive_post_grad_passes
+
+    return _recursive_post_grad_passes
+
+
+# --- TorchScript (torch/jit/_script.py) ------------------------------------------------------------------
+
+def construct_script_module(cpp_module: Any, init: Any) -> Any:
+    """``torch.jit._script.RecursiveScriptModule._construct``: a Python script module around a C++ one. Checked
+    on torch 2.5.1, 2.13, 2.15."""
+    from torch.jit._script import RecursiveScriptModule
+
+    return RecursiveScriptModule._construct(cpp_module, init)
+
+
+__all__ = [
+    "FAKE_TENSOR_LOGGER", "DataDependentOutputException", "DynamicOutputShapeException", "FakeCopyMode",
+    "FakeTensor", "FakeTensorMode", "OpOverload", "TorchDispatchMode", "UnsupportedOperatorException",
+    "aot_autograd", "construct_script_module", "disable_current_modes", "dynamo_config", "inductor_fake_mode",
+    "inductor_partition", "min_cut_partition", "modes_ignore_compile_internals", "pop_mode", "post_grad_passes",
+    "push_mode",
+]
