@@ -25,6 +25,7 @@ from vram_magic.estimator import torch_private as estimator_door
 PACKAGE = Path(__file__).resolve().parent.parent / "vram_magic"
 DOORS = {PACKAGE / "engine" / "torch_private.py", PACKAGE / "estimator" / "torch_private.py"}
 PATCHED = {"resize_"}  # public methods the package replaces while it measures
+TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def _private(part: str) -> bool:
@@ -125,12 +126,16 @@ def test_mode_stack_names() -> None:
 
 
 def test_never_compiled_marks_code() -> None:
-    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy  # noqa: F401
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy  # noqa: F401
+    except ImportError:  # torch 2.5.1 has no such marks: never_compiled leaves the code as it is
+        assert TORCH < (2, 13)
 
     def f(x: torch.Tensor) -> torch.Tensor:
         return x + 1
 
     engine_door.never_compiled(f, object())  # an object without code is left alone
+    assert f(torch.ones(1)).item() == 2
 
 
 def test_op_and_autograd_names() -> None:
@@ -250,8 +255,8 @@ def test_cuda_and_allocator_names() -> None:
     if torch.cuda.is_available():
         assert isinstance(engine_door.cuda_history_enabled(), bool)
         assert "segments" in engine_door.memory_snapshot()
-    else:  # a CPU build has no CUDA half of torch._C
-        with pytest.raises(AttributeError):
+    else:  # a CPU build has no CUDA half of torch._C; a CUDA build without a GPU cannot ask the allocator
+        with pytest.raises(RuntimeError if torch.backends.cuda.is_built() else AttributeError):
             engine_door.cuda_history_enabled()
 
 
@@ -295,8 +300,11 @@ def test_compiler_names() -> None:
     assert hasattr(config, "patch")
     assert hasattr(config, "recompile_limit") or hasattr(config, "cache_size_limit")
     assert callable(door.aot_autograd())
-    partition_fn, select_decomp_table = door.inductor_partition()
-    assert callable(partition_fn) and isinstance(select_decomp_table(), dict)
+    try:
+        partition_fn, select_decomp_table = door.inductor_partition()
+        assert callable(partition_fn) and isinstance(select_decomp_table(), dict)
+    except ImportError:  # torch 2.5.1: partition_fn is local to compile_fx; the estimator uses min_cut_partition
+        assert TORCH < (2, 13)
     assert callable(door.min_cut_partition())
     assert callable(door.post_grad_passes())
     from torch._inductor.virtualized import V
