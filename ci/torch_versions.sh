@@ -48,8 +48,13 @@ run_on() {  # name version
     "$venv/bin/python" -m pip install -q -e ".[test]" "torch==$version"
     "$venv/bin/python" -c "import torch; print('torch', torch.__version__, '· CUDA build' if torch.version.cuda else '· CPU build')"
     step "torch $version ($name): tests"
-    # the notebooks are executed by the notebook stage with the pinned torch; everything else runs here
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider --ignore=tests/test_notebooks.py tests/
+    # the notebooks are executed by the suite and the notebook stage with the pinned torch. On the floor the
+    # tests marked slow (kernels, compiled code: torch.compile's estimates need 2.9 and skip there) are left
+    # out; on the newest everything else runs but the Hugging Face accuracy zoo, which the pinned run covers
+    # (the same fake-tensor and compiled paths are run by the estimator's own tests here)
+    local select=(--ignore=tests/test_notebooks.py)
+    if [ "$name" = floor ]; then select+=(-m "not slow"); else select+=(--ignore=tests/test_hf_models.py); fi
+    "$venv/bin/python" -m pytest -q -p no:cacheprovider "${select[@]}" tests/
 }
 
 want=${1:-all}
