@@ -2,8 +2,9 @@
 this file, and tests/test_torch_private.py names what broke.
 
 Each name says which PyTorch releases it was checked on. "2.5.1, 2.13, 2.15": read in those releases' sources
-(2.5.1 is the floor pyproject.toml admits, 2.15 the newest release at the time) and resolved on the installed
-2.13; a name checked on fewer says so. Names read on every op (the autograd node, ``OpOverload``) are bound once
+(2.5.1 is the floor pyproject.toml admits, 2.15 the newest release at the time), and tests/test_torch_private.py
+passes on each (2.13 the CPU build, 2.5.1 and 2.15 the registry's CUDA builds on a CPU); a name present in fewer
+says so, with what the code does without it. Names read on every op (the autograd node, ``OpOverload``) are bound once
 here as module attributes, so using them costs no call. What lives in a module that is slow to import
 (``torch._dynamo``) is imported by its accessor, when first needed, never here.
 """

@@ -3,7 +3,7 @@ Inductor and functorch internals, TorchScript's module copy), all in one place; 
 :mod:`vram_magic.engine.torch_private`, which this module re-exports where the estimator needs them.
 
 Each name says which PyTorch releases it was checked on (as in the engine's module: "2.5.1, 2.13, 2.15" read in
-those releases' sources and resolved on the installed 2.13). ``torch._subclasses.fake_tensor`` is loaded with
+those releases' sources, tests/test_torch_private.py passing on each). ``torch._subclasses.fake_tensor`` is loaded with
 ``torch`` itself, so its names are bound here; TorchDynamo, Inductor and functorch's partitioners take seconds to
 import and are imported by their accessors, when an estimate first needs them.
 """
