@@ -55,3 +55,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cuda)
         if not available and item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+TORCH_BEFORE_2_6 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6)
+
+
+def skip_module_without_transformers_5() -> None:
+    """Skip the calling test module on a PyTorch older than 2.6, where transformers 5 refuses to build its models
+    (the CI's torch-floor stage), saying so; and where transformers is not installed."""
+    if TORCH_BEFORE_2_6:
+        pytest.skip("transformers 5 needs PyTorch 2.6 or later", allow_module_level=True)
+    pytest.importorskip("transformers")

@@ -8,7 +8,10 @@ import functools
 
 import pytest
 import torch
+from conftest import skip_module_without_transformers_5
 from generate_zoo import CASES, TupleGPT, estimate_case, real_generate, real_tuple_generate
+
+skip_module_without_transformers_5()
 
 F32 = 4
 

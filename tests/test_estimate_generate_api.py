@@ -7,11 +7,13 @@ import math
 
 import pytest
 import torch
-from conftest import run
+from conftest import run, skip_module_without_transformers_5
 from generate_zoo import CASES, TupleGPT, llama
 
 import vram_magic
 from vram_magic.estimator.generate_cuda import sdpa_kernel
+
+skip_module_without_transformers_5()
 
 F32 = 4
 LONG = "Llama MHA, long generation (peak at the last step)"

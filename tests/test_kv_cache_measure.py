@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import run_ok
+from conftest import run_ok, skip_module_without_transformers_5
 
 import vram_magic
 from vram_magic.engine import generation
@@ -17,6 +17,7 @@ from vram_magic.engine.kv_cache import is_kv_cache, kv_cache_bytes, kv_cache_ten
 from vram_magic.render.html import live_html
 from vram_magic.render.text import live_text
 
+skip_module_without_transformers_5()
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from conftest import run_ok
+from conftest import run_ok, skip_module_without_transformers_5
 
 from vram_magic.snapshot import replay
 
+skip_module_without_transformers_5()
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 memory_viz = pytest.importorskip("torch.cuda._memory_viz")
