@@ -54,7 +54,8 @@ run_on() {  # name version
     # (the same fake-tensor and compiled paths are run by the estimator's own tests here)
     local select=(--ignore=tests/test_notebooks.py)
     if [ "$name" = floor ]; then select+=(-m "not slow"); else select+=(--ignore=tests/test_hf_models.py); fi
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider "${select[@]}" tests/
+    # (VRAM_TESTS_EXIT_AFTER_REPORT: the process ends once pytest has reported; tests/conftest.py says why)
+    VRAM_TESTS_EXIT_AFTER_REPORT=1 "$venv/bin/python" -m pytest -q -p no:cacheprovider "${select[@]}" tests/
 }
 
 want=${1:-all}
