@@ -240,6 +240,11 @@ def _hf_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: Plan) -> Any
     else:
         args, named = (inputs,), {}
     _stand_in_values(model, args[0] if args else named.get("input_ids"))
+    if str(spec.cache_implementation or "").startswith("offloaded"):
+        from .generate_variants import no_streams
+
+        with no_streams():  # the cache's prefetch stream, made when it is built: no GPU touched
+            return model.generate(*args, **named, **kwargs)
     return model.generate(*args, **named, **kwargs)
 
 

@@ -25,6 +25,9 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from .torch_private import disable_current_modes
+from .values import attach, value_of
+
 #: model kwargs that ``_update_model_kwargs_for_generation`` grows by one token a step
 GROWING_KWARGS = ("position_ids", "decoder_position_ids", "attention_mask", "decoder_attention_mask",
                   "token_type_ids", "mm_token_type_ids")
@@ -270,9 +273,11 @@ def advance(plan: Plan, ids_shape: tuple[int, ...], ids_dtype: torch.dtype, toke
         t = model_kwargs.get(key)
         if isinstance(t, torch.Tensor) and t.dim() >= 1:
             shape, dtype = tuple(t.shape), t.dtype
+            value = grown_value(key, value_of(t), tokens)
             plan.on_event("replacing", t)
             model_kwargs[key] = t = None
             model_kwargs[key] = torch.empty((*shape[:-1], shape[-1] + tokens), dtype=dtype)
+            attach(model_kwargs[key], value)
             plan.on_event("replaced", model_kwargs[key])
     cache = cache_of(model_kwargs)
     if cache is not None:
@@ -282,6 +287,26 @@ def advance(plan: Plan, ids_shape: tuple[int, ...], ids_dtype: torch.dtype, toke
     plan.jumped = tokens
     plan.on_event("jump_end", cache)
     return ids
+
+
+def grown_value(key: str, value: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
+    """The values ``_update_model_kwargs_for_generation`` gives a growing kwarg after ``tokens`` more steps: a
+    mask gains ones, positions count on, token types repeat the last one (``mm_token_type_ids``: zeros). A
+    model reads them (``mask.all()`` decides whether the mask is dropped, and with it the attention kernel)."""
+    if value is None or value.dim() < 1 or value.shape[-1] == 0:
+        return None
+    with disable_current_modes(), torch.no_grad():
+        tail_shape = (*value.shape[:-1], tokens)
+        if key.endswith("attention_mask"):
+            tail = value.new_ones(tail_shape)
+        elif key.endswith("position_ids"):
+            steps = torch.arange(1, tokens + 1, dtype=value.dtype).view(*([1] * (value.dim() - 1)), -1)
+            tail = value[..., -1:] + steps
+        elif key == "mm_token_type_ids":
+            tail = value.new_zeros(tail_shape)
+        else:
+            tail = value[..., -1:].expand(tail_shape)
+        return torch.cat([value, tail], dim=-1)
 
 
 def can_jump(cache: Any) -> bool:

@@ -13,16 +13,55 @@ dequantizing. (optimum-quanto need not be installed: its layout is modelled, not
 its update and the next one is prefetched back before it is used, so the GPU holds the layer in use and the
 one prefetched. The fake run does the same with host stand-ins (meta tensors the tracker never counts) for
 the layers on the host. On the CPU there is nowhere to offload to (and transformers' offloading needs CUDA).
+transformers makes its prefetch stream when the cache is built (``torch.Stream()``): the estimate runs with
+:func:`no_streams`, so no GPU is touched (a CUDA build without a driver refuses the stream; one with a GPU would
+start a CUDA context, hundreds of MiB, for an estimate).
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .torch_private import disable_current_modes as _disable_current_modes
+
+
+class StandInStream:
+    """What an offloading cache's prefetch stream is during an estimate: never used (its prefetch and offload are
+    modelled, :func:`model_offloading`), it only has to exist."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> StandInStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def no_streams() -> Iterator[None]:
+    """``torch.Stream`` and ``torch.cuda.Stream`` are :class:`StandInStream` inside (put back after)."""
+    saved = torch.Stream, torch.cuda.Stream
+    torch.Stream = torch.cuda.Stream = StandInStream  # type: ignore[misc, assignment]
+    try:
+        yield
+    finally:
+        torch.Stream, torch.cuda.Stream = saved  # type: ignore[misc]
 
 
 def quanto_available() -> bool:
@@ -200,5 +239,5 @@ def model_offloading(cache: Any) -> None:
     inner.update = types.MethodType(update, inner)
 
 
-__all__ = ["grow_quantized", "host_like", "is_host", "is_modelled_quantized", "model_offloading",
-           "modelled_layer_class", "quanto_available", "quantized_cache", "remember_prompt"]
+__all__ = ["StandInStream", "grow_quantized", "host_like", "is_host", "is_modelled_quantized", "model_offloading",
+           "modelled_layer_class", "no_streams", "quanto_available", "quantized_cache", "remember_prompt"]

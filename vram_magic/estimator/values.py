@@ -24,6 +24,12 @@ from .torch_private import disable_current_modes as _disable_current_modes
 ATTR = "_vram_magic_value"
 LIMIT = 1 << 20  # elements: masks and ids of a batch, never activations
 _RANDOM = torch.Tag.nondeterministic_seeded
+#: factories whose memory is uninitialized: their values are whatever the allocator handed out (a real run's are
+#: as arbitrary), so they get none; a kept value would steer the fake run by garbage (``mask.all()``)
+_UNINITIALIZED = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
+                            "empty_permuted"})
+#: in-place ops that overwrite all of their target: an uninitialized one gains values from them
+_OVERWRITE = frozenset({"fill_", "zero_", "copy_"})
 
 
 def value_of(t: Any) -> torch.Tensor | None:
@@ -116,12 +122,14 @@ def _run_real(func: Any, args: Any, kwargs: Any) -> Any:
 def propagate(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
     """After ``func`` ran on fake tensors: give its outputs values when every tensor argument has one (or when
     it is a deterministic factory such as ``arange``) and the outputs are small."""
+    if args and func.overloadpacket.__name__ in _OVERWRITE:
+        _overwritten(args)
     for a in args:  # the fast way out: an argument without a value (most ops of a model)
         if isinstance(a, torch.Tensor) and getattr(a, ATTR, None) is None and type(a) is not torch.Tensor:
             _forget_written(func, args)
             return
     # random ops never run for real: they would draw from (and advance) the user's random generator
-    if not _small(out) or _RANDOM in getattr(func, "tags", ()):
+    if not _small(out) or _RANDOM in getattr(func, "tags", ()) or func.overloadpacket.__name__ in _UNINITIALIZED:
         _forget_written(func, args)
         return
     tensors_in = _has_tensor(args) or _has_tensor(kwargs)
@@ -150,6 +158,21 @@ def _pair(fake: Any, real: Any) -> None:
     elif isinstance(fake, (tuple, list)) and isinstance(real, (tuple, list)):
         for f, r in zip(fake, real):
             _pair(f, r)
+
+
+def _overwritten(args: Any) -> None:
+    """``empty(...).fill_(1)``: the target of an op that overwrites it all starts from zeros, so the op's real
+    run gives it its values (when the source has them)."""
+    target = args[0]
+    if not isinstance(target, torch.Tensor) or getattr(target, ATTR, None) is not None or not _small(target):
+        return
+    if target.layout != torch.strided or not _is_fake(target):
+        return
+    source = args[1] if len(args) > 1 else None
+    if isinstance(source, torch.Tensor) and value_of(source) is None:
+        return
+    with _disable_current_modes():
+        setattr(target, ATTR, torch.zeros(tuple(target.shape), dtype=target.dtype))
 
 
 def _forget_written(func: Any, args: Any) -> None:
