@@ -98,7 +98,7 @@ def test_status_of_a_measured_block_read_from_the_live_thread() -> None:
     assert all(t.startswith("%%vram cell 7 · cpu · running") for t in texts)
     # parameters were there from the start; what forward and backward made counts as activations meanwhile
     params = (256 * 512 + 512 + 512 * 256 + 256) * 4
-    assert all(f"parameters {format_bytes(params)}" in t for t in texts)
+    assert all(f"parameters {format_bytes(params)}" in t for t in texts), texts[:2]
     assert any("activations 0 B" not in t for t in texts)
     html = rec.calls[-1][1]["text/html"]
     assert "vram-live" in html and "vram-mark" in html  # the peak so far, marked on the bar

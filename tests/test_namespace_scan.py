@@ -73,6 +73,76 @@ def test_a_container_changed_inside_the_measured_cell(shell):
     assert r.delta.other == (1000 + 10 - 8) * F32
 
 
+# --- a big unchanged container is counted by its sum: what a cell does to it is still counted exactly ---------
+N, SIZE = 2000, 16 * F32  # a dict of 2,000 tensors of 16 floats
+
+
+def _group_cell(shell, body, before_cells=1):
+    run_ok(shell, f"import torch\nd = {{i: torch.ones(16) for i in range({N})}}")
+    for _ in range(before_cells):
+        measure(shell)
+    return measure(shell, body)
+
+
+def test_an_unchanged_container_is_one_constant_of_the_history(shell):
+    r = _group_cell(shell, "x = torch.ones(100)\ndel x")
+    assert r.before.details("other") == {"d": N * SIZE} and r.after.details("other") == {"d": N * SIZE}
+    assert r.peak.total == N * SIZE + 100 * F32
+    assert [row for row in r.trace.base if row[1] == "d"] == [("other", "d", N * SIZE)]
+    assert not r.trace.initial  # none of its storages went one by one
+    registry = shell.magics_manager.registry["VramMagics"].session.registry
+    assert [len(list(registry.members(g, "cpu"))) for g in registry.groups()] == [N]  # one group, not loose
+    assert len(list(registry.loose("cpu"))) == 0
+
+
+@pytest.mark.parametrize("body, after, delta, peak", [
+    ("del d[5]", (N - 1) * SIZE, -SIZE, N * SIZE),
+    ("for i in range(100):\n    del d[i]", (N - 100) * SIZE, -100 * SIZE, N * SIZE),
+    ("d[3] = torch.ones(64)", (N - 1) * SIZE + 64 * F32, 48 * F32, N * SIZE + 64 * F32),
+    ("keep = d[3]\nd[3] = torch.ones(64)", N * SIZE + 64 * F32, 64 * F32, N * SIZE + 64 * F32),
+    ("d[4].set_(torch.ones(40).untyped_storage())", (N - 1) * SIZE + 40 * F32, 24 * F32, N * SIZE + 40 * F32),
+    # (a resize is counted as the old block freed, then the new one made)
+    ("d[7].untyped_storage().resize_(32 * 4)", (N - 1) * SIZE + 32 * F32, 16 * F32, (N - 1) * SIZE + 32 * F32),
+    ("del d", 0, -N * SIZE, N * SIZE),
+])
+def test_what_a_cell_does_to_a_counted_container(shell, body, after, delta, peak):
+    r = _group_cell(shell, body)
+    assert r.before.details("other") == {"d": N * SIZE}
+    assert r.after.total == after and r.delta.total == delta and r.peak.total == peak
+    assert r.trace.breakdown_at(len(r.trace.events)).total == after  # the history ends where the scan does
+    if after and "keep" not in body:
+        assert r.after.details("other") == {"d": after}
+    following = measure(shell)  # and the next cell starts from there
+    assert following.before.total == after and following.after.total == after
+
+
+def test_a_counted_containers_tensor_taken_by_a_module_changes_category(shell):
+    r = _group_cell(shell, "m = torch.nn.Linear(16, 1, bias=False)\nm.weight = torch.nn.Parameter(d[0].view(1, 16))")
+    assert r.before.details("other") == {"d": N * SIZE}
+    assert r.after.parameters == SIZE and r.after.details("other") == {"d": (N - 1) * SIZE}
+    assert r.after.total == N * SIZE
+
+
+def test_a_counted_container_named_twice_or_inside_another(shell):
+    run_ok(shell, f"import torch\nd = {{i: torch.ones(16) for i in range({N})}}\ne = dict(d)")
+    measure(shell)
+    r = measure(shell, "del e[0]")
+    assert r.before.total == N * SIZE and r.after.total == N * SIZE  # e shares d's tensors: counted once
+    assert sum(r.after.details("other").values()) == N * SIZE
+
+
+def test_the_live_view_of_a_cell_that_frees_a_counted_containers_tensors(shell):
+    run_ok(shell, f"import torch\nd = {{i: torch.ones(16) for i in range({N})}}")
+    measure(shell)
+    session = shell.magics_manager.registry["VramMagics"].session
+    seen = []
+    shell.user_ns["_look"] = lambda: seen.append(session.active.status())
+    measure(shell, "for i in range(10):\n    del d[i]\n_look()")
+    status = [s for s in seen if s is not None][-1]
+    assert status.breakdown.details("other") == {"d": (N - 10) * SIZE}
+    assert status.now == (N - 10) * SIZE
+
+
 @pytest.mark.parametrize("build, change, expected", [
     # a list of dicts: the dicts are mutable, their items are compared too
     ("[{'x': torch.ones(4), 'y': 1} for _ in range(300)]", "c[7]['x'] = torch.ones(40)", (299 * 4 + 40) * F32),
@@ -250,3 +320,24 @@ def test_measure_blocks_in_a_function_reuse_what_they_read():
         report = _measured_step(xs)
         assert report.before.details("other") == {"xs": 300 * 8 * F32}
     assert [e for e in containers.remembered().values() if e.keys] == [containers.remembered()[id(xs)]]
+
+
+def test_a_group_loses_its_freed_storages_and_never_takes_a_new_one_with_the_same_id():
+    """The registry's groups (containers counted by their sums): a freed storage leaves its group; a new storage
+    that takes its id (Python reuses ids) is loose, never the old group's, so it is counted once."""
+    reg = LiveStorages()
+    tensors = [torch.ones(4) for _ in range(5)]
+    entries = [reg.add(t.untyped_storage()) for t in tensors]
+    keys = frozenset(e.key for e in entries)
+    assert reg.group(7, keys) and not reg.group(8, keys)  # a key in a group is no longer loose
+    assert sorted(k for k, _ in reg.members(7, "cpu")) == sorted(keys) and list(reg.loose("cpu")) == []
+    freed = entries[2].key
+    del tensors[2], entries
+    gc.collect()
+    assert freed not in {k for k, _ in reg.members(7, "cpu")}
+    newcomer = torch.ones(3)
+    reg.add_new(newcomer.untyped_storage(), freed, 12, "cpu")  # as if it had taken the freed storage's id
+    assert freed not in {k for k, _ in reg.members(7, "cpu")}
+    assert [k for k, _ in reg.loose("cpu")] == [freed]
+    reg.ungroup(7)
+    assert len(list(reg.loose("cpu"))) == 5 and reg.groups() == []

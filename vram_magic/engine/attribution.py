@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .autograd_graph import saved_tensors
 from .containers import (
     KV_CACHE,
     MAPPING,
@@ -50,11 +51,25 @@ _INPUT_CACHE = re.compile(r"^_i+\d*$")
 MAX_OBJECTS = 200_000
 _MAX_NOTES = 5
 
+@dataclass(frozen=True)
+class Group:
+    """The storages of one big container read at C speed (containers.py), claimed as a whole: a measured cell
+    counts them by their sum, without a look at each, while the container is unchanged (engine/cell.py)."""
+
+    found: Found
+    owner: tuple[str, str]
+    keys: frozenset[int]
+    device: str
+    total: int
+
+
 @dataclass
 class Scan:
-    """``owner[id(storage)] = (category, label)``, plus the names that hold each graph."""
+    """``owner[id(storage)] = (category, label)``, plus the names that hold each graph. The storages of big
+    containers are in ``groups`` instead (one owner each); :meth:`lookup` reads both."""
 
     owner: dict[int, tuple[str, str]] = field(default_factory=dict)
+    groups: list[Group] = field(default_factory=list)
     # id(storage) -> variable name holding it, for the tensors claimed one by one (those of a big container read
     # at C speed are claimed by its name in `owner` only)
     holders: dict[int, str] = field(default_factory=dict)
@@ -63,7 +78,35 @@ class Scan:
     notes: list[str] = field(default_factory=list)  # what could not be read, or was left out
 
     def category(self, key: int) -> tuple[str, str]:
-        return self.owner.get(key, ("other", "unattributed"))
+        return self.lookup(key, ("other", "unattributed"))  # type: ignore[return-value]
+
+    def lookup(self, key: int | None, default: tuple[str, str] | None = None) -> tuple[str, str] | None:
+        """The owner of storage ``key``, in ``owner`` or a group."""
+        hit = self.owner.get(key)  # type: ignore[arg-type]
+        if hit is not None:
+            return hit
+        for group in self.groups:
+            if key in group.keys:
+                return group.owner
+        return default
+
+    def owner_get(self) -> Any:
+        """``lookup``, or ``owner.get`` itself when there are no groups (the hot loops' category function)."""
+        return self.lookup if self.groups else self.owner.get
+
+    def grouped(self) -> frozenset[int]:
+        """The keys of every group."""
+        if not self.groups:
+            return frozenset()
+        if len(self.groups) == 1:
+            return self.groups[0].keys
+        return frozenset().union(*(g.keys for g in self.groups))
+
+    def group_of(self, key: int) -> Group | None:
+        for group in self.groups:
+            if key in group.keys:
+                return group
+        return None
 
 
 class _Walker:
@@ -182,7 +225,7 @@ class _Walker:
         if self.registry.get(key) is None:
             self.registry.add(storage)
         owner = self.scan.owner
-        if key not in owner:
+        if key not in owner and (not self.scan.groups or self.scan.group_of(key) is None):
             owner[key] = (category, label)
             if holder:
                 self.scan.holders[key] = holder
@@ -190,8 +233,17 @@ class _Walker:
 
     def _claim_found(self, found: Found, owner_of: tuple[str, str]) -> None:
         """Claim the storages of a big container's tensors (a hundred thousand of them) in C: those no earlier
-        claim took."""
+        claim took. A container none of whose storages another claim took, on one device, is a group: claimed as
+        a whole."""
+        keys = found.keyset()
+        groups = self.scan.groups
+        total = found.total() if self.scan.owner.keys().isdisjoint(keys) else None
+        if total is not None and all(g.keys.isdisjoint(keys) for g in groups) and self.registry.group(id(found), keys):
+            groups.append(Group(found, owner_of, keys, total[0], total[1]))
+            return
         owner, mine = self.scan.owner, found.owners(owner_of)
+        if groups:  # the storages another group holds stay its own
+            mine = {k: v for k, v in mine.items() if self.scan.group_of(k) is None}
         if len(owner) * 4 < len(mine):  # start from the container's claims (a copy in C), the earlier ones on top
             merged = mine.copy()
             merged.update(owner)
@@ -499,53 +551,3 @@ def scan_namespace(namespace: Mapping[str, Any] | None, registry: LiveStorages, 
             walker.visit(name, value, depth)
         walker.reader.finish()
     return walker.assign()
-
-
-_saved_attrs: dict[type, tuple[str, ...]] = {}
-
-
-def _saved_names(node: Any) -> tuple[str, ...]:
-    names = _saved_attrs.get(type(node))
-    if names is None:
-        names = tuple(a for a in dir(node) if a.startswith("_saved_"))
-        try:
-            custom = hasattr(node, "saved_tensors")  # custom autograd.Function
-        except RuntimeError:  # a custom Function's node after backward has freed what it saved
-            custom = True
-        if custom:
-            names += ("saved_tensors",)
-        _saved_attrs[type(node)] = names
-    return names
-
-
-def saved_tensors(root: Any, limit: int = 200_000) -> Iterable[tuple[torch.Tensor, bool]]:
-    """``(tensor, is_leaf)``: tensors the autograd graph under ``root`` has saved for backward and not yet
-    freed, and the leaves (parameters) its ``AccumulateGrad`` nodes hold."""
-    stack = [root]
-    seen: set[int] = set()
-    while stack and len(seen) < limit:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        for attr in _saved_names(node):
-            try:
-                value = getattr(node, attr)
-            except Exception:  # freed by a backward, or not a tensor slot
-                continue
-            if isinstance(value, torch.Tensor):
-                yield value, False
-            elif isinstance(value, (tuple, list)):
-                for v in value:
-                    if isinstance(v, torch.Tensor):
-                        yield v, False
-        try:
-            leaf = getattr(node, "variable", None)
-            nexts = getattr(node, "next_functions", ())
-        except Exception:
-            continue
-        if isinstance(leaf, torch.Tensor):
-            yield leaf, True
-        for nxt, _ in nexts:
-            if nxt is not None and id(nxt) not in seen:
-                stack.append(nxt)

@@ -38,6 +38,7 @@ from .categories import (
     kv_cache_sites,
 )
 from .compiled import compiled_reason
+from .counted import Counted
 from .frames import SiteNamer
 from .namespace import FrameNamespace, add_other
 from .oom import release_traceback
@@ -141,9 +142,8 @@ class Measurement:
         if tracker is None:
             return LiveStatus(device=self.device, backend=self.backend, elapsed=elapsed, phase="")
         rows = dict(self._before_rows)
-        owner = self._before_owner
         for serial, size in list(tracker.initial_freed.items()):
-            cat = owner.get(serial, UNATTRIBUTED)
+            cat = self._counted.before_category(serial, tracker)
             rows[cat] = rows.get(cat, 0) - size
         for phase, size in enumerate(list(tracker.phase_bytes)):
             if size:
@@ -195,19 +195,27 @@ class Measurement:
             self.registry = _default_registry()
         self._stats_before = self._stats()
         self._scan_before = scan = scan_namespace(self.namespace, self.registry)
-        # one pass over what is alive: the split before, who owned what, and the backend's starting point
+        self.backend, self.backend_reason = self._choose_backend()
+        # the storages of big unchanged containers are counted by their sums (the tracker only: the allocator's
+        # replay needs every storage's address)
+        groups = [g for g in scan.groups if g.device == self.device] if self.backend == "tracker" else []
+        self._counted = counted = Counted(self.registry, self.device, groups, scan)
+        # one pass over the rest of what is alive: the split before, who owned what, the backend's starting point
         rows: dict[tuple[str, str], int] = {}
         owner: dict[int, tuple[str, str]] = {}
         initial: dict[int, int] = {}
-        category = scan.owner.get
-        for key, entry in self.registry.live(self.device):
+        category = scan.owner_get()
+        for key, entry in counted.individually(groups):
             cat = category(key, UNATTRIBUTED)
             size = entry.size
             rows[cat] = rows.get(cat, 0) + size
             initial[entry.serial] = size
             owner[entry.serial] = cat
-        self._before_rows, self._before_owner = rows, owner
-        self.backend, self.backend_reason = self._choose_backend()
+        for g in groups:
+            rows[g.owner] = rows.get(g.owner, 0) + g.total
+        counted.start_serial = self.registry.next_serial()
+        self._before_rows = rows
+        counted.before_owner = owner
         self._cuda: cuda.CudaCell | None = None
         try:
             if self.device.startswith("cuda"):  # counters, history and --budget of the allocator (engine/cuda.py)
@@ -219,7 +227,8 @@ class Measurement:
                 self._recorder.start()
             else:
                 self._tracker = Tracker(self.registry, self.device, budget=self.budget,
-                                        record_sites=self.record_sites, initial=initial)
+                                        record_sites=self.record_sites, initial=initial,
+                                        grouped=(counted.start_serial, counted.bytes))
                 if self.device == "cpu" and "profile" not in self.source:
                     # kernel scratch (scratch.py); a cell that may start PyTorch's profiler keeps it to itself
                     self._tracker.scratch = ScratchRecorder()
@@ -310,12 +319,13 @@ class Measurement:
         finally:
             if tracker is not None:
                 self.registry.on_free = None
+        expanded = self._counted.settle(tracker, scan_after)
         if tracker is not None:
             alive = self._alive_tracked(tracker)
         else:
             assert replayed is not None
             alive = self._alive_replayed(replayed)
-        trace = self._trace(source, scan_after, alive)
+        trace = self._trace(source, scan_after, alive, expanded, tracker)
         stats_after = self._stats()
         after = trace.breakdown_at(len(trace.events)) if not trace.truncated else Breakdown.from_rows(
             self._rows(scan_after, source.allocs))
@@ -382,12 +392,12 @@ class Measurement:
     def _alive_tracked(self, tracker: Tracker) -> dict[int, int]:
         """serial → key of every storage alive now; storages that appeared without passing through dispatch
         (``torch.from_numpy``, compiled kernels) are counted as allocated at the end of the block."""
-        allocs, initial, late = tracker.allocs, tracker.initial, tracker.late
+        allocs, late, start = tracker.allocs, tracker.late, self._counted.start_serial
         alive: dict[int, int] = {}
-        for key, entry in self.registry.live(self.device):
+        for key, entry in self._counted.individually(self._counted.stable):
             serial = entry.serial
             alive[serial] = key
-            if serial not in initial and serial not in allocs and serial not in late:
+            if serial >= start and serial not in allocs and serial not in late:
                 tracker.adopt(entry)
         return alive
 
@@ -434,23 +444,28 @@ class Measurement:
         rows: dict[tuple[str, str], int] = {}
         for key, entry in self.registry.live(self.device):
             alloc = allocs.get(entry.serial)
-            owner = scan.owner.get(key)
+            owner = scan.lookup(key)
             cat = owner if owner is not None else PHASE_CATEGORY[alloc[1]] if alloc is not None else UNATTRIBUTED
             rows[cat] = rows.get(cat, 0) + entry.size
         return rows
 
-    def _trace(self, source: Tracker | Replayed, scan_after: Scan, alive: Mapping[int, int]) -> Trace:
+    def _trace(self, source: Tracker | Replayed, scan_after: Scan, alive: Mapping[int, int],
+               expanded: Mapping[int, int], tracker: Tracker | None) -> Trace:
         blocks: dict[int, Block] = {}
         freed = {-ev for ev in source.events if ev < 0}
         base: dict[tuple[str, str], int] = {}
         initial = []
-        category = scan_after.owner.get
-        for start in (source.initial, source.late):
+        category = scan_after.owner_get()
+        counted = self._counted
+        for g in counted.stable:  # alive throughout, counted as a whole
+            base[g.owner] = base.get(g.owner, 0) + g.total
+        # the storages of the groups that changed, still alive or freed in the block, go one by one
+        for start in (source.initial, expanded, counted.grouped_freed(tracker), source.late):
             for serial, size in start.items():
                 key = alive.get(serial)
                 if key is None or serial in freed:
                     cat = category(key, UNATTRIBUTED) if key is not None else \
-                        self._before_owner.get(serial, UNATTRIBUTED)
+                        counted.before_category(serial, tracker)
                     blocks[serial] = Block(serial, size, cat[0], cat[1])
                     initial.append(serial)
                 else:  # alive throughout: a constant, summed

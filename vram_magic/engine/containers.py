@@ -176,7 +176,7 @@ class Found:
     """What a fast read found in one container, and how the next scan tells whether it still holds."""
 
     __slots__ = ("type", "depth", "ns", "stamp", "copy", "plan", "sig", "keys", "flag", "refs", "registry",
-                 "first", "_owners", "_owner_of")
+                 "first", "_owners", "_owner_of", "_keyset", "_total")
 
     def __init__(self, cls: type, depth: int, registry: LiveStorages) -> None:
         self.type = cls
@@ -193,6 +193,33 @@ class Found:
         self.first: Any = None  # the registry's entry of keys[0]: another one there means the registry was cleared
         self._owners: dict[int, tuple[str, str]] = {}
         self._owner_of: tuple[str, str] | None = None
+        self._keyset: frozenset[int] | None = None
+        self._total: tuple[int, str, int] | None = None  # (registry.resizes, device, bytes)
+
+    def keyset(self) -> frozenset[int]:
+        """The storage keys found, as a set (built once)."""
+        if self._keyset is None:
+            self._keyset = frozenset(self.keys)
+        return self._keyset
+
+    def total(self) -> tuple[str, int] | None:
+        """``(device, bytes)`` of the storages found, or None when they lie on several devices or one is not
+        registered (worked out once, again after a storage was resized)."""
+        registry = self.registry()
+        if registry is None:
+            return None
+        cached = self._total
+        if cached is not None and cached[0] == registry.resizes:
+            return cached[1], cached[2]
+        entries = list(map(registry.get, self.keys))
+        if not entries or None in entries:
+            return None
+        devices = {e.device for e in entries}
+        if len(devices) != 1:
+            return None
+        device = devices.pop()
+        self._total = (registry.resizes, device, sum(e.size for e in entries))
+        return device, self._total[2]
 
     def owners(self, owner_of: tuple[str, str]) -> dict[int, tuple[str, str]]:
         """``{key: owner_of}`` for every storage found (built once per label, then reused scan after scan)."""
@@ -213,20 +240,26 @@ def remembered() -> dict[int, Found]:
     return dict(_cache)
 
 
+def _drop(key: int) -> None:
+    """Forget container ``key``: the group its storages formed in the registry (if any) ends with it."""
+    entry = _cache.pop(key, None)
+    if entry is not None:
+        registry = entry.registry()
+        if registry is not None:
+            registry.ungroup(id(entry))
+
+
 def forget(registry: LiveStorages | None = None) -> None:
     """Drop the containers remembered for ``registry`` (a session closing), or all of them."""
-    if registry is None:
-        _cache.clear()
-        return
     for key, entry in list(_cache.items()):
-        if entry.registry() in (registry, None):
-            _cache.pop(key, None)
+        if registry is None or entry.registry() in (registry, None):
+            _drop(key)
 
 
 def _forget_dead_registries() -> None:
     for key, entry in list(_cache.items()):
         if entry.registry() is None:
-            _cache.pop(key, None)
+            _drop(key)
 
 
 def _watch(registry: LiveStorages) -> None:
@@ -262,13 +295,13 @@ class FastReader:
         if entry is not None and self._holds(entry, obj, depth):
             entry.ns, entry.stamp = self.ns, self.stamp
             return entry
-        _cache.pop(key, None)
+        _drop(key)
         entry = _build(obj, depth, self.registry)
         if entry is None:
             return None
         entry.ns, entry.stamp = self.ns, self.stamp
         if len(_cache) >= MAX_ENTRIES:  # namespaces that are never scanned again (measure() in many functions)
-            _cache.clear()
+            forget()
         _watch(self.registry)
         _cache[key] = entry
         return entry
@@ -297,7 +330,7 @@ class FastReader:
         ns, stamp = self.ns, self.stamp
         for key, entry in list(_cache.items()):
             if entry.ns == ns and entry.stamp != stamp:
-                _cache.pop(key, None)
+                _drop(key)
 
 
 def _same_data(obj: Any, copy: Any) -> bool:

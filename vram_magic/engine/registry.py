@@ -42,6 +42,16 @@ def device_key(device: Any) -> str:
     return str(device.type)
 
 
+def _view(snap: dict[int, Entry], device: str | None) -> Iterator[tuple[int, Entry]]:
+    keys, entries = list(snap), list(snap.values())
+    if device is not None:
+        devices = list(map(_DEVICE, entries))
+        if devices.count(device) != len(devices):
+            keep = list(map(device.__eq__, devices))
+            keys, entries = list(compress(keys, keep)), list(compress(entries, keep))
+    return zip(keys, entries)
+
+
 class LiveStorages:
     """``id(storage) -> Entry`` for every storage we have seen and that is still alive."""
 
@@ -51,15 +61,26 @@ class LiveStorages:
         self._serials = itertools.count(1)
         # Called with the Entry of each freed storage (the active tracker listens while a cell runs).
         self.on_free: Callable[[Entry], None] | None = None
+        # bumped whenever a live entry's size changes (a storage resized): sums kept over entries are stale then
+        self.resizes = 0
         self.get = self._entries.get
+        # the entries no group holds (what a measured cell goes through one by one), and the groups: the storages
+        # of big unchanged containers, counted by their sums (see group())
+        self._loose: dict[int, Entry] = {}
+        self._groups: dict[int, frozenset[int]] = {}
+        self._group_of: dict[int, int] = {}  # key -> the group holding it (a freed storage leaves it)
 
         entries = self._entries
+        loose = self._loose
+        group_of = self._group_of
 
         by_ptr = self._by_ptr
 
         def freed(entry: Entry) -> None:
             if entry.ptr and by_ptr.get((entry.device, entry.ptr)) is entry:
                 del by_ptr[(entry.device, entry.ptr)]
+            if group_of.pop(entry.key, None) is None:
+                loose.pop(entry.key, None)
             if entries.pop(entry.key, None) is not None:
                 listener = self.on_free
                 if listener is not None:
@@ -104,7 +125,51 @@ class LiveStorages:
         entry.device = device
         entry.ptr = 0
         self._entries[key] = entry
+        self._loose[key] = entry
         return entry
+
+    # --- groups -----------------------------------------------------------------------------------
+    def group(self, gid: int, keys: frozenset[int]) -> bool:
+        """Hold the storages ``keys`` as one group ``gid`` (a container's, containers.py), out of the loose view:
+        True when they are the group's, False when one is not loose (another group's, or not registered)."""
+        held = self._groups.get(gid)
+        if held is not None:
+            return held is keys or held == keys
+        loose = self._loose
+        if not keys <= loose.keys():
+            return False
+        for key in keys:
+            del loose[key]
+        self._group_of.update(dict.fromkeys(keys, gid))
+        self._groups[gid] = keys
+        return True
+
+    def ungroup(self, gid: int) -> None:
+        """Group ``gid`` is no more (its container changed or went): its live storages are loose again."""
+        keys = self._groups.pop(gid, None)
+        if keys is None:
+            return
+        entries, loose, group_of = self._entries, self._loose, self._group_of
+        for key in keys:
+            if group_of.get(key) == gid:
+                del group_of[key]
+                loose[key] = entries[key]
+
+    def groups(self) -> list[int]:
+        """The ids of the groups held now."""
+        return list(self._groups)
+
+    def members(self, gid: int, device: str) -> Iterator[tuple[int, Entry]]:
+        """``(key, entry)`` of the live storages of ``device`` group ``gid`` holds (its freed ones left it; a new
+        storage that took a freed one's id is not its own)."""
+        keys = self._groups.get(gid, ())
+        group_of, entries = self._group_of, self._entries
+        mine = [k for k in keys if group_of.get(k) == gid]
+        return ((k, entries[k]) for k in mine if k in entries and entries[k].device == device)
+
+    def loose(self, device: str) -> Iterator[tuple[int, Entry]]:
+        """``(key, entry)`` of the live storages of ``device`` that no group holds."""
+        return _view(self._loose.copy(), device)
 
     def next_serial(self) -> int:
         return next(self._serials)
@@ -120,17 +185,13 @@ class LiveStorages:
         """``(key, entry)`` of the live storages (of one device), as :meth:`entries` gives them but without a
         tuple per storage: with a hundred thousand storages alive, those tuples set off the collector's full
         passes. Safe to iterate while frees remove entries (it reads a copy)."""
-        snap = self._entries.copy()  # one C call: no callback can run while the entries are read
-        keys, entries = list(snap), list(snap.values())
-        if device is not None:
-            devices = list(map(_DEVICE, entries))
-            if devices.count(device) != len(devices):
-                keep = list(map(device.__eq__, devices))
-                keys, entries = list(compress(keys, keep)), list(compress(entries, keep))
-        return zip(keys, entries)
+        return _view(self._entries.copy(), device)  # a copy in one C call: no callback runs while it is made
 
     def clear(self) -> None:
         """Forget everything (the weakrefs die with their entries, so no callback fires later)."""
         self.on_free = None
         self._entries.clear()
+        self._loose.clear()
+        self._groups.clear()
+        self._group_of.clear()
         self._by_ptr.clear()

@@ -146,7 +146,7 @@ def add_scratch(tracker: Tracker, found: Sequence[tuple[int, int, int, int]]) ->
     if isinstance(steps, list):
         steps[:] = [(moved(i), *rest) for i, *rest in steps]
     size = sizes_of(tracker)
-    current = peak = sum(tracker.initial.values()) + sum(tracker.late.values())
+    current = peak = sum(tracker.initial.values()) + tracker.grouped_bytes + sum(tracker.late.values())
     peak_index = 0
     for i, ev in enumerate(new, 1):
         current += size(ev) if ev > 0 else -size(-ev)
@@ -166,11 +166,14 @@ def last_site(events: Sequence[int], index: int, allocs: Any) -> tuple[Any, ...]
 
 def sizes_of(tracker: Tracker) -> Callable[[int], int]:
     """serial → bytes, for every serial of the tracker's history."""
-    allocs, initial, late = tracker.allocs, tracker.initial, tracker.late
+    allocs, initial, late, freed = tracker.allocs, tracker.initial, tracker.late, tracker.initial_freed
 
     def size(serial: int) -> int:
         record = allocs.get(serial)
-        return record[0] if record is not None else initial.get(serial, late.get(serial, 0))
+        if record is not None:
+            return record[0]
+        n = initial.get(serial)
+        return n if n is not None else late.get(serial, freed.get(serial, 0))
 
     return size
 

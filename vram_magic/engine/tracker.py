@@ -82,6 +82,7 @@ class Tracker(GenerationStages, CollectiveScopes, TorchDispatchMode):
         max_events: int = 2_000_000,
         initial: dict[int, int] | None = None,
         observer: TrackerObserver | None = None,
+        grouped: tuple[int, int] = (0, 0),
     ) -> None:
         super().__init__()
         self.registry = registry
@@ -96,7 +97,11 @@ class Tracker(GenerationStages, CollectiveScopes, TorchDispatchMode):
         if initial is None:
             initial = {e.serial: e.size for _, e in registry.entries(device)}
         self.initial = initial
-        self.current = sum(initial.values())
+        # (first serial of the block, bytes): storages alive at the start that `initial` leaves out, counted as a
+        # whole (the big containers of a scan, engine/cell.py); each one freed is named in `grouped_freed`
+        self.grouped_below, self.grouped_bytes = grouped
+        self.grouped_freed: dict[int, int] = {}  # serial -> key
+        self.current = sum(initial.values()) + self.grouped_bytes
         self.late: dict[int, int] = {}
         self.oom_holders: dict[int, str] = {}  # serial -> "x in f" for the locals alive at an OOM
         self.peak = self.current
@@ -250,9 +255,12 @@ class Tracker(GenerationStages, CollectiveScopes, TorchDispatchMode):
             return
         record = self.allocs.get(entry.serial)
         if record is None and entry.serial not in self.initial and entry.serial not in self.late:
-            # registered during the block but never counted: an empty or memory-sharing torch.tensor (size 0),
-            # a storage the end-of-block scan met first. Its free has no allocation in the history to pair with.
-            return
+            if entry.serial >= self.grouped_below:
+                # registered during the block but never counted: an empty or memory-sharing torch.tensor (size
+                # 0), a storage the end-of-block scan met first. Its free has no allocation in the history to pair
+                # with.
+                return
+            self.grouped_freed[entry.serial] = entry.key
         self.current -= entry.size
         if record is not None:
             self.phase_bytes[record[1]] -= entry.size
@@ -277,6 +285,7 @@ class Tracker(GenerationStages, CollectiveScopes, TorchDispatchMode):
         self.on_free(entry)
         entry.serial = self.registry.next_serial()
         entry.size = size
+        self.registry.resizes += 1
         self._record(entry)
 
     def count_new(self, storage: Any, size: int | None = None) -> Entry:
