@@ -116,6 +116,38 @@ def test_what_a_cell_does_to_a_counted_container(shell, body, after, delta, peak
     assert following.before.total == after and following.after.total == after
 
 
+@pytest.mark.parametrize("inside", [True, False])
+def test_a_dict_given_a_tensor_that_was_alive_elsewhere_nothing_freed(shell, inside):
+    """No storage is made or freed: only the dict's items changed (its version says so, or its ids)."""
+    run_ok(shell, f"import torch\nd = {{i: torch.ones(16) for i in range({N})}}\nspare = torch.ones(64)")
+    measure(shell)
+    change = "keep = d[3]\nd[3] = spare\ndel spare"
+    if not inside:
+        run_ok(shell, change)
+    r = measure(shell, change if inside else "pass")
+    assert r.after.details("other") == {"d": (N - 1) * SIZE + 64 * F32, "keep": SIZE}
+    assert measure(shell).before.details("other") == {"d": (N - 1) * SIZE + 64 * F32, "keep": SIZE}
+
+
+def test_a_dicts_version_changes_with_each_change_and_only_then():
+    from vram_magic.engine.dict_version import WORKS, version
+
+    d = {i: torch.ones(1) for i in range(300)}
+    if not WORKS:  # another Python: no version, the ids are compared
+        assert version(d) is None
+        return
+    seen = [version(d)]
+    assert version(d) == seen[0] and d[5] is not None and version(d) == seen[0]
+    t = d[7]
+    for change in ("d[7] = torch.ones(1)", "d[7] = t", "d['new'] = 1", "del d['new']", "d.update({1: t})",
+                   "d.pop(2)", "d.setdefault(2, t)"):
+        exec(change, {"d": d, "t": t, "torch": torch})
+        seen.append(version(d))
+    assert len(set(seen)) == len(seen), seen
+    assert version(dict(d)) not in seen and version(list(d)) is None
+    assert version(__import__("collections").OrderedDict(d)) is None  # exact dicts only
+
+
 def test_a_counted_containers_tensor_taken_by_a_module_changes_category(shell):
     r = _group_cell(shell, "m = torch.nn.Linear(16, 1, bias=False)\nm.weight = torch.nn.Parameter(d[0].view(1, 16))")
     assert r.before.details("other") == {"d": N * SIZE}

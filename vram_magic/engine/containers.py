@@ -13,7 +13,8 @@ what was found is remembered under the container's id until a scan of the same n
   comparison, so a tensor is always a change, never an equal value.
 - plain tensors among plain data (a dict of tensors, a list of ``(tensor, label)`` tuples, a list of dicts of
   tensors): the storages are found once. Each next scan compares the ids of the items at every level a
-  mutable container could have changed (a tuple's items are fixed while it lives), and weakrefs to the
+  mutable container could have changed (a tuple's items are fixed while it lives; a dict whose version,
+  dict_version.py, is unchanged holds the same items), and weakrefs to the
   tensors and to their storages mark the entry stale as soon as one is freed: an id reused by a new object, a
   tensor given other memory (``set_``, ``.data =``) whose old storage went.
 
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .dict_version import version as dict_version
 from .kv_cache import is_cache_class
 from .registry import LiveStorages
 from .tensors import storage_parts
@@ -176,7 +178,7 @@ class Found:
     """What a fast read found in one container, and how the next scan tells whether it still holds."""
 
     __slots__ = ("type", "depth", "ns", "stamp", "copy", "plan", "sig", "keys", "flag", "refs", "registry",
-                 "first", "_owners", "_owner_of", "_keyset", "_total")
+                 "first", "_owners", "_owner_of", "_keyset", "_total", "version")
 
     def __init__(self, cls: type, depth: int, registry: LiveStorages) -> None:
         self.type = cls
@@ -194,6 +196,7 @@ class Found:
         self._owners: dict[int, tuple[str, str]] = {}
         self._owner_of: tuple[str, str] | None = None
         self._keyset: frozenset[int] | None = None
+        self.version: int | None = None  # an exact dict's version when its items were last compared (dict_version)
         self._total: tuple[int, str, int] | None = None  # (registry.resizes, device, bytes)
 
     def keyset(self) -> frozenset[int]:
@@ -312,8 +315,11 @@ class FastReader:
             return False
         if entry.copy is not None:
             return _same_data(obj, entry.copy)
-        if list(map(id, dict.values(obj) if type(obj) in _DICTS else obj)) != entry.sig[0][1]:
-            return False
+        ver = dict_version(obj)
+        if ver is None or ver != entry.version or len(entry.sig) > 1:  # (a dict unchanged holds the same items)
+            if list(map(id, dict.values(obj) if type(obj) in _DICTS else obj)) != entry.sig[0][1]:
+                return False
+            entry.version = ver
         level, at = _items(obj) if len(entry.sig) > 1 else [], 0
         for want, ids in entry.sig[1:]:
             while at < want:
@@ -351,6 +357,7 @@ def _build(obj: Any, depth: int, registry: LiveStorages) -> Found | None:
 
 def _read(obj: Any, depth: int, registry: LiveStorages) -> Found | None:
     entry = Found(type(obj), depth, registry)
+    entry.version = dict_version(obj)  # before its items are read: a change while they are makes it differ
     levels: list[list[Any]] = []
     tensors: list[Any] = []
     check = [0]  # levels whose ids can change: the first, and each below a list or a dict
