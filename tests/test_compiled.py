@@ -15,8 +15,7 @@ pytestmark = pytest.mark.slow  # inductor compiles C++ on the CPU: seconds per m
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    """A compiled model run under a forced ``--backend tracker`` leaves TorchDynamo cache entries under which a
-    compiled model made later runs eagerly (README, Limits): reset after each test, so later tests compile."""
+    """Each test starts from TorchDynamo's empty caches (its compiled graphs and counters are per process)."""
     yield
     torch._dynamo.reset()
 
@@ -145,3 +144,28 @@ def _tracker_forced(shell):
     assert r.backend == "tracker" and torch._C._len_torch_dispatch_stack() == 0
     run_ok(shell, "%%vram -q -o r2\nstep(cm2)")  # auto again: the allocator
     assert shell.user_ns["r2"].backend == "allocator"
+
+
+def test_a_forced_tracker_leaves_compiled_models_compiled(shell):
+    """Under the tracker compiled code runs eagerly (TorchDynamo's force_eager stance): nothing is compiled or
+    cached there, so the model compiled before the cell and one compiled after it run their compiled graphs
+    again (without the stance TorchDynamo marked nn.Module's code to run eagerly for the rest of the session)."""
+    if not hasattr(torch.compiler, "set_stance"):
+        pytest.skip("torch.compiler.set_stance is PyTorch 2.6 on")
+    run_ok(shell, "import torch\ncalls = {'n': 0}\n"
+                  "def counting(gm, example_inputs):\n"
+                  "    def run(*args):\n        calls['n'] += 1\n        return gm.forward(*args)\n    return run\n"
+                  "x = torch.randn(4, 8)\n"
+                  "c1 = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), backend=counting)\n"
+                  "c1(x)")
+    assert shell.user_ns["calls"]["n"] == 1
+    run_ok(shell, "%%vram -q -o r --backend tracker\ny = c1(x)")
+    r = shell.user_ns["r"]
+    assert r.backend == "tracker" and shell.user_ns["calls"]["n"] == 1  # eagerly, measured
+    assert r.peak.activations >= 4 * 8 * 4
+    run_ok(shell, "c2 = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()), backend=counting)\n"
+                  "c2(x)\nc1(x)")
+    assert shell.user_ns["calls"]["n"] == 3
+    from torch._dynamo.eval_frame import _stance  # (no public getter)
+
+    assert _stance.stance == "default"  # put back after the cell

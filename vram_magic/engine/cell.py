@@ -37,7 +37,7 @@ from .categories import (
     holder_name,
     kv_cache_sites,
 )
-from .compiled import compiled_reason
+from .compiled import compiled_reason, eager_while_tracked
 from .counted import Counted
 from .frames import SiteNamer
 from .namespace import FrameNamespace, add_other
@@ -217,6 +217,7 @@ class Measurement:
         self._before_rows = rows
         counted.before_owner = owner
         self._cuda: cuda.CudaCell | None = None
+        self._stance: Any = None
         try:
             if self.device.startswith("cuda"):  # counters, history and --budget of the allocator (engine/cuda.py)
                 self._cuda = cuda.CudaCell(self.device, budget=self.budget).start()
@@ -232,9 +233,11 @@ class Measurement:
                 if self.device == "cpu" and "profile" not in self.source:
                     # kernel scratch (scratch.py); a cell that may start PyTorch's profiler keeps it to itself
                     self._tracker.scratch = ScratchRecorder()
+                self._stance = eager_while_tracked(self.source)  # compiled code: eagerly, nothing cached
                 self._t0 = time.perf_counter()
                 self._tracker.__enter__()
         except BaseException:
+            self._undo_stance()
             self._undo_cuda()
             raise
         self._running = True
@@ -253,6 +256,14 @@ class Measurement:
                 addr = 0
             out[entry.serial] = (addr, entry.size)
         return out
+
+    def _undo_stance(self) -> None:
+        stance, self._stance = self._stance, None
+        if stance is not None:
+            try:
+                stance.__exit__(None, None, None)
+            except Exception:
+                pass
 
     def _undo_cuda(self) -> None:
         """Put back the allocator's history and fraction and read its figures (never raises; idempotent)."""
@@ -275,6 +286,7 @@ class Measurement:
                 try:
                     tracker.__exit__(exc_type, exc, tb)
                 finally:
+                    self._undo_stance()
                     if tracker.scratch is not None:
                         self._scratch_events = tracker.scratch.stop()
             elif recorder is not None:

@@ -62,3 +62,23 @@ def compiled_reason(namespace: Mapping[str, Any] | None, source: str = "") -> st
 def _without_strings(source: str) -> str:
     """The source with comments dropped (``# torch.compile(...) later`` compiles nothing)."""
     return "\n".join(line.split("#", 1)[0] for line in source.splitlines())
+
+
+def eager_while_tracked(source: str = "") -> Any | None:
+    """Under the tracker's dispatch mode compiled code runs eagerly anyway; left to itself TorchDynamo would also
+    note, for the code objects it met (``nn.Module``'s call and ``forward`` among them), to run them eagerly from
+    then on, so models compiled before or after the cell ran uncompiled for the rest of the session. TorchDynamo's
+    ``force_eager`` stance (``torch.compiler.set_stance``, PyTorch 2.6 on) runs them eagerly without compiling or
+    caching anything. Returns the stance to undo with ``__exit__`` (None where nothing compiled can run, or on an
+    older PyTorch)."""
+    if DYNAMO_MODULE not in sys.modules and not (source and _COMPILES.search(_without_strings(source))):
+        return None
+    import torch
+
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return None
+    try:
+        return set_stance("force_eager")
+    except Exception:  # a stance that cannot be set: measured as before
+        return None
