@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import sys
@@ -23,6 +24,10 @@ def shell():
     sh.run_cell("%unload_ext vram_magic")
     sh.reset(new_session=True)
     InteractiveShell.clear_instance()
+    # each shell registers its exit handler, which keeps it alive to the end and runs a full garbage collection
+    # then: a few hundred shells' collections made the suite's exit take minutes
+    atexit.unregister(sh.atexit_operations)
+    sh.history_manager.end_session()
     gc.collect()
 
 

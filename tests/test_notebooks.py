@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,42 @@ def _magic_display(source: str) -> str | None:
     return None
 
 
+# The notebooks execute two at a time (their kernels are separate processes; most of their time is one thread of
+# Python each): the first test of the run starts every selected one, longest last in name order first, and each
+# test waits for its own. VRAM_NOTEBOOK_WORKERS=1 runs them one after another.
+WORKERS = 1 if TIME_LIMIT_S is not None else max(1, int(os.environ.get("VRAM_NOTEBOOK_WORKERS", "2")))
+_running: dict[Path, Future[tuple[nbformat.NotebookNode, float]]] = {}
+_pool: list[ThreadPoolExecutor] = []
+
+
+def _executed(path: Path, session: pytest.Session) -> tuple[nbformat.NotebookNode, float]:
+    if not _running:
+        selected = [item.callspec.params["path"] for item in session.items
+                    if getattr(item, "originalname", "") == "test_notebook_executes_with_static_reports"]
+        pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="notebook")
+        _pool.append(pool)
+        for each in sorted(selected, key=lambda p: p.name, reverse=True):  # the later ones are the longer ones
+            _running[each] = pool.submit(_execute_copy, each)
+    if path not in _running:
+        _running[path] = _pool[0].submit(_execute_copy, path)
+    return _running[path].result()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_pool():
+    yield
+    for pool in _pool:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _execute_copy(path: Path) -> tuple[nbformat.NotebookNode, float]:
+    """Executing in place would write files (snapshots, CSVs) next to the notebooks: run on a copy instead."""
+    with tempfile.TemporaryDirectory(prefix="vram-notebook-") as work:
+        copy = Path(work) / path.name
+        copy.write_bytes(path.read_bytes())
+        return _execute(copy)
+
+
 def _execute(path: Path) -> tuple[nbformat.NotebookNode, float]:
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
@@ -49,7 +87,8 @@ def _execute(path: Path) -> tuple[nbformat.NotebookNode, float]:
         resources={"metadata": {"path": str(path.parent)}},
     )
     start = time.perf_counter()
-    client.execute()
+    # side by side, one thread each: two kernels with a thread per core each would oversubscribe the cores
+    client.execute(**({"env": {**os.environ, "OMP_NUM_THREADS": "1"}} if WORKERS > 1 else {}))
     return nb, time.perf_counter() - start
 
 
@@ -107,11 +146,8 @@ def test_saved_notebook_has_outputs_badges_and_colab_install(path: Path) -> None
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes_with_static_reports(path: Path, tmp_path: Path) -> None:
-    # Executing in place would write files (snapshots, CSVs) next to the notebooks; run on a copy instead.
-    work = tmp_path / path.name
-    work.write_bytes(path.read_bytes())
-    nb, seconds = _execute(work)
+def test_notebook_executes_with_static_reports(path: Path, request: pytest.FixtureRequest) -> None:
+    nb, seconds = _executed(path, request.session)
 
     out_dir = os.environ.get("VRAM_NOTEBOOKS_OUT")
     if out_dir:
