@@ -85,22 +85,12 @@ class Scan:
         hit = self.owner.get(key)  # type: ignore[arg-type]
         if hit is not None:
             return hit
-        for group in self.groups:
-            if key in group.keys:
-                return group.owner
-        return default
+        group = self.group_of(key)  # type: ignore[arg-type]
+        return group.owner if group is not None else default
 
     def owner_get(self) -> Any:
         """``lookup``, or ``owner.get`` itself when there are no groups (the hot loops' category function)."""
         return self.lookup if self.groups else self.owner.get
-
-    def grouped(self) -> frozenset[int]:
-        """The keys of every group."""
-        if not self.groups:
-            return frozenset()
-        if len(self.groups) == 1:
-            return self.groups[0].keys
-        return frozenset().union(*(g.keys for g in self.groups))
 
     def group_of(self, key: int) -> Group | None:
         for group in self.groups:

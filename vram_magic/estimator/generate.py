@@ -11,6 +11,7 @@ loop (``generate_manual.py``). The cache's tensors are the estimate's ``kv_cache
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -26,6 +27,7 @@ from .fake import from_specs, resize, size_of
 from .frameworks import estimating, not_tracing
 from .generate_facts import GenerateSpec
 from .generate_loop import Plan, can_jump, decoding
+from .generate_variants import no_streams
 from .options import Options, short_dtype
 from .quantize import count_parameters, parameter_labels
 from .run import EstimateError, Request, StepTrace
@@ -240,12 +242,10 @@ def _hf_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: Plan) -> Any
     else:
         args, named = (inputs,), {}
     _stand_in_values(model, args[0] if args else named.get("input_ids"))
-    if str(spec.cache_implementation or "").startswith("offloaded"):
-        from .generate_variants import no_streams
-
-        with no_streams():  # the cache's prefetch stream, made when it is built: no GPU touched
-            return model.generate(*args, **named, **kwargs)
-    return model.generate(*args, **named, **kwargs)
+    offloaded = str(spec.cache_implementation or "").startswith("offloaded")
+    # an offloading cache makes its prefetch stream when it is built: a stand-in, so no GPU is touched
+    with no_streams() if offloaded else contextlib.nullcontext():
+        return model.generate(*args, **named, **kwargs)
 
 
 def _special_tokens(model: Any) -> set[int]:
