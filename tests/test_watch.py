@@ -15,7 +15,7 @@ import torch
 from conftest import run
 from IPython.core.error import UsageError
 
-from vram_magic.render.watch import watch_html, watch_text
+from vram_magic.render.monitor import watch_html, watch_text
 from vram_magic.session import Session
 from vram_magic.watch import (
     WATCH_USAGE,

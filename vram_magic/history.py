@@ -21,7 +21,7 @@ def _signed(n: Any) -> str:
 
 
 def _with_formats(frame: pd.DataFrame, formats: dict[str, Any]) -> pd.DataFrame:
-    from .render.frames import BytesFrame
+    from .render.dataframe import BytesFrame
 
     out = BytesFrame(frame)
     object.__setattr__(out, "_formats", formats)

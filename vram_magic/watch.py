@@ -132,7 +132,7 @@ class Watch:
         return s
 
     def _render(self, _: Sample, stopped: bool = False) -> dict[str, Any]:
-        from .render.watch import watch_html, watch_text
+        from .render.monitor import watch_html, watch_text
 
         samples = list(self.samples)
         return {"text/plain": watch_text(self.device, samples, self.interval, stopped=stopped),
