@@ -98,6 +98,52 @@ def test_magic_flags_and_their_errors(shell):
     assert run(shell, "x = 1 + 1").error_in_exec is None  # the kernel is alive
 
 
+# --- builders ---------------------------------------------------------------------------------------------------
+def _tied(kind: str):
+    import transformers as t
+
+    t.logging.set_verbosity_error()
+    if kind == "GPT-2":
+        return t.GPT2LMHeadModel(t.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=1000, n_positions=64))
+    if kind == "Llama":
+        return t.LlamaForCausalLM(t.LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                                max_position_embeddings=64, tie_word_embeddings=True))
+    return t.GPTBigCodeForCausalLM(t.GPTBigCodeConfig(n_layer=1, n_embd=64, n_head=4, vocab_size=1000,
+                                                      n_positions=64))
+
+
+#: parameters by hand, the output head tied to the 1,000 × 64 token embedding (64,000 counted once)
+TIED = {
+    # wte 64,000, wpe 64 × 64; a block: 2 layer norms 256, c_attn 64 × 192 + 192, c_proj 64 × 64 + 64, c_fc
+    # 64 × 256 + 256, c_proj 256 × 64 + 64; ln_f 128
+    "GPT-2": 64_000 + 4_096 + (256 + 12_480 + 4_160 + 16_640 + 16_448) + 128,
+    # embed 64,000; q and o 64 × 64, k and v 64 × 32 (2 kv heads × 16); gate, up, down 64 × 128; 3 RMS norms of 64
+    "Llama": 64_000 + 2 * 4_096 + 2 * 2_048 + 3 * 8_192 + 3 * 64,
+    # multi-query: c_attn 64 → 64 + 2 × 16; otherwise GPT-2's block
+    "GPT-BigCode": 64_000 + 4_096 + (256 + 64 * 96 + 96 + 4_160 + 16_640 + 16_448) + 128,
+}
+
+
+@pytest.mark.parametrize("kind", list(TIED))
+def test_a_builder_keeps_tied_embeddings_tied(kind):
+    """A builder runs under transformers' no_init_weights, which in transformers 5 skips init_weights and with it
+    tie_weights: the output head then counted apart from the embedding it is tied to."""
+    x = ids(1, 16, vocab=1000)
+    built = vram_magic.estimate(lambda: _tied(kind), x, generate=2, device="cpu")
+    module = vram_magic.estimate(_tied(kind), x, generate=2, device="cpu")
+    assert built.parameters == module.parameters == TIED[kind]
+    assert built.peak["parameters"] == module.peak["parameters"] == F32 * TIED[kind]
+    if kind == "GPT-2":  # a builder that unties the head after construction keeps it untied
+
+        def untied():
+            m = _tied(kind)
+            m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach().clone())
+            return m
+
+        assert vram_magic.estimate(untied, x, generate=2, device="cpu").parameters == TIED[kind] + 64_000
+
+
 # --- the longest prompt, the largest batch ------------------------------------------------------------------
 def test_longest_prompt_and_largest_batch_are_self_consistent():
     from vram_magic.estimator.generate_estimate import evaluate_generate, spec_of
@@ -143,6 +189,48 @@ def test_logits_to_keep_what_if_for_a_model_that_computes_all_logits():
     all_logits = 2 * 64 * 2000 * F32  # the prefill's logits, alive into the first step
     assert base_saving(est, keep) >= 0.75 * all_logits  # the peak moves elsewhere once they are gone
     assert keep.compute < 1.0
+
+
+def test_reruns_keep_the_quantized_cache_bits_and_logits_to_keep():
+    """A re-run made from an estimate's facts (spec_of) is the estimate's own: a quantized cache's bits and the
+    logits_to_keep what-if travel with it, and its what-ifs do not offer it again."""
+    from vram_magic.estimator.generate_estimate import evaluate_generate, spec_of
+    from vram_magic.estimator.generate_search import with_search
+    from vram_magic.estimator.generate_whatif import candidates
+
+    def offered(est) -> set[str]:  # the what-if rows the estimate's table would re-run
+        return {c[0] for c in candidates(est.options, spec_of(est), est.generation)}
+
+    model, x = small_llama(), ids(2, 64)
+    est4 = vram_magic.estimate(model, x, generate=8, device="cpu", cache_implementation="quantized", budget="40MiB")
+    assert "quantized cache (int2)" in offered(est4) and "quantized cache (int4)" not in offered(est4)
+    est2 = est4.rerunnable().evaluate(est4.options, cache_bits=2)  # the int2 row, as an estimate
+    spec = spec_of(est2)
+    assert spec == est2.rerun.spec and spec.cache_bits == 2
+    assert "(int2)" in est2.description and "(int4)" in est4.description
+    # by hand, per layer and tensor: 2 rows × 2 kv heads × 64 prompt tokens × 32 dims quantized at the prefill,
+    # packed with an fp32 scale and shift per 64 values; the 7 decoding steps' tokens in the full-precision residual
+    values = 2 * 2 * 64 * 32
+    residual = 2 * 2 * 7 * 32 * F32
+    assert est4.generation.kv_cache == 4 * 2 * (values // 2 + 2 * (values // 64) * F32 + residual)
+    assert est2.generation.kv_cache == 4 * 2 * (values // 4 + 2 * (values // 64) * F32 + residual)
+    again = evaluate_generate(est2.rerun.request, est2.options, spec, est2.rerun.target)
+    assert again.generation.kv_cache == est2.generation.kv_cache and again.peak.total == est2.peak.total
+    assert not any(name.startswith("quantized cache") for name in offered(est2))
+    # the longest prompt of the int2 estimate, checked by re-runs made from its facts
+    found = with_search(est2, max_seq=True, max_batch=False)
+
+    def fits(seq: int) -> bool:
+        return bool(evaluate_generate(est2.rerun.request, est2.options.with_(seq=seq), spec, est2.rerun.target).fits)
+
+    assert found.max_seq and fits(found.max_seq) and not fits(math.ceil(found.max_seq * 1.1))
+    # the logits_to_keep what-if of a decoder that computes every position's logits
+    tuple_model = TupleGPT().eval()
+    full = vram_magic.estimate(tuple_model, ids(2, 64, vocab=2000), generate=8, device="cpu")
+    keep = full.rerunnable().evaluate(full.options, last_logits_only=True)
+    assert spec_of(keep).last_logits_only and spec_of(keep) == keep.rerun.spec
+    assert "logits_to_keep=1" in keep.description
+    assert "logits_to_keep=1" in offered(full) and "logits_to_keep=1" not in offered(keep)
 
 
 def base_saving(est, row) -> int:

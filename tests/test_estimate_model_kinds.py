@@ -93,6 +93,44 @@ def test_a_model_with_a_scripted_child():
     assert abs((est.peak.total - eager_est.peak.total) - (real - eager_real)) < 64 * 1024
 
 
+class Nested(nn.Module):
+    """Children with children: a Sequential inside a Sequential, beside a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Sequential(nn.Linear(256, 1024), nn.ReLU()), nn.Linear(1024, 256))
+        self.head = nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class NestedInference(Nested):
+    """The same model scripted as its own type: TorchScript shares the executor of a class's scripted modules, and
+    one optimized by training steps (its autodiff graph) refuses inference_mode, in PyTorch as in the estimate."""
+
+
+NESTED_PARAMS = NET_PARAMS + 256 * 64 + 64  # 542,016
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_scripted_model_whose_children_have_children(inference):
+    """A ScriptModule's children are an OrderedModuleDict (no .get()), two levels down here."""
+    torch.manual_seed(0)
+    x = batch()
+    model = torch.jit.script(NestedInference() if inference else Nested())
+    est = vram_magic.estimate(model, x, device="cpu", inference=inference)
+    assert est.parameters == NESTED_PARAMS
+    assert est.peak["parameters"] == 4 * NESTED_PARAMS
+    assert all(p.grad is None for p in model.parameters())
+    _close(est, _real(model, x, inference=inference))
+    eager = Nested()
+    eager.load_state_dict(model.state_dict())
+    eager_est = vram_magic.estimate(eager, x, device="cpu", inference=inference)
+    assert eager_est.parameters == est.parameters
+    _close(eager_est, _real(eager, x, inference=inference))
+
+
 def test_a_frozen_torchscript_module_is_refused_with_what_to_do():
     frozen = torch.jit.freeze(torch.jit.script(Net().eval()))
     with pytest.raises(ValueError, match=r"frozen TorchScript module \(torch.jit.freeze\).*before torch.jit.freeze"):

@@ -492,6 +492,10 @@ def describe(spec: GenerateSpec, opts: Options, facts: dict[str, Any]) -> str:
     parts = [f"generate {spec.new_tokens} token{'s' if spec.new_tokens != 1 else ''}",
              f"beam search × {spec.num_beams}" if spec.num_beams > 1 else ("sampling" if spec.do_sample else "greedy"),
              f"prompt {facts['seq']}", facts["cache"] or "no cache"]
+    if spec.cache_implementation == "quantized":
+        parts[-1] += f" (int{spec.cache_bits})"
+    if spec.last_logits_only:
+        parts.append("logits_to_keep=1")
     if opts.dtype is not None:
         parts.append(short_dtype(opts.dtype))
     if opts.quantize:

@@ -128,7 +128,7 @@ def _generation(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec) -> 
     return Generation(
         new_tokens=spec.new_tokens, prompt=facts["seq"], batch=facts["batch"], beams=spec.num_beams,
         kind=facts["kind"], cache=facts["cache"], cache_implementation=spec.cache_implementation,
-        do_sample=spec.do_sample,
+        do_sample=spec.do_sample, cache_bits=spec.cache_bits, last_logits_only=spec.last_logits_only,
         layers=facts["layers"], kv_cache=facts["kv_final"], kv_per_token=per_token,
         kv_per_token_per_sequence=per_token // rows if rows else per_token, kv_fixed=facts["fixed"],
         prefill_peak=pre, decode_peak=dec, peak_step=step, logits_to_keep=facts["logits_to_keep"],
@@ -231,15 +231,19 @@ def generate_follow_ups(est: Estimate, *, what_if: bool = False, max_seq: bool =
 def without_init(model: Any) -> Any:
     """A model builder run with transformers' weight initialization off (``no_init_weights``: fake weights have
     no values to initialize, and an 8B model's initialization is most of its build time); anything else as
-    it is."""
+    it is. transformers 5's ``no_init_weights`` stubs out ``PreTrainedModel.init_weights``, which ``post_init``
+    calls to initialize *and tie* the weights: the tying is put back, so tied embeddings stay one tensor (what the
+    builder does after construction, untying included, stands)."""
     from torch import nn
 
     if isinstance(model, nn.Module) or not callable(model):
         return model
     try:
+        from transformers import PreTrainedModel
         from transformers.initialization import no_init_weights
     except ImportError:
         try:
+            from transformers import PreTrainedModel
             from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef]
         except ImportError:
             return model
@@ -247,10 +251,28 @@ def without_init(model: Any) -> Any:
 
     @functools.wraps(model)
     def build() -> Any:
+        original = PreTrainedModel.init_weights
         with no_init_weights():
-            return model()
+            stub = PreTrainedModel.init_weights
+            if stub is not original:  # transformers 5: init_weights stubbed out, its tie_weights with it
+                PreTrainedModel.init_weights = _tie_only  # type: ignore[method-assign]
+            try:
+                return model()
+            finally:
+                PreTrainedModel.init_weights = stub  # type: ignore[method-assign]
 
     return build
+
+
+def _tie_only(self: Any) -> None:
+    """``PreTrainedModel.init_weights`` (transformers 5.x) less the initialization: the tying, by the mapping
+    ``post_init`` has just computed."""
+    import inspect
+
+    if "recompute_mapping" in inspect.signature(self.tie_weights).parameters:
+        self.tie_weights(recompute_mapping=False)
+    else:
+        self.tie_weights()
 
 
 __all__ = ["GenerateRerun", "check_training_options", "estimate_generate", "evaluate_generate", "generate_follow_ups",

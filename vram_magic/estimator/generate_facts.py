@@ -57,6 +57,8 @@ class Generation:
     flops_decode: int = 0  # one decoding step at the longest cache
     cache_implementation: str | None = None  # as asked (None: the model's default)
     do_sample: bool = False
+    cache_bits: int = 4  # a quantized cache's bits, as asked
+    last_logits_only: bool = False  # what-if: the output head was made to compute the last position only
 
     @property
     def rows(self) -> int:
@@ -76,7 +78,8 @@ def spec_of(est: Estimate) -> GenerateSpec:
     gen = est.generation
     if gen is None:
         raise ValueError("this estimate is not of generate(): estimate with generate=N")
-    return GenerateSpec(gen.new_tokens, gen.cache_implementation, gen.beams, gen.do_sample)
+    return GenerateSpec(gen.new_tokens, gen.cache_implementation, gen.beams, gen.do_sample, gen.cache_bits,
+                        gen.last_logits_only)
 
 
 __all__ = ["GenerateSpec", "Generation", "spec_of"]

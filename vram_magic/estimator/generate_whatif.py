@@ -43,8 +43,9 @@ def _caches(opts: Options, spec: GenerateSpec, gen: Generation) -> list[Candidat
     elif impl in ("static", "offloaded_static"):
         out.append(("dynamic cache", {}, {"cache_implementation": None}, 1, "grows a token at a time; no compiled "
                     "decoding step"))
-    if impl != "quantized" and "Sliding" not in gen.layers and gen.encoder_length is None:
-        for bits, loss in ((4, "a small quality loss"), (2, "a larger quality loss")):
+    if "Sliding" not in gen.layers and gen.encoder_length is None:
+        fewer = ((4, "a small quality loss"), (2, "a larger quality loss"))
+        for bits, loss in fewer if impl != "quantized" else [b for b in fewer if b[0] < spec.cache_bits]:
             out.append((f"quantized cache (int{bits})", {}, {"cache_implementation": "quantized", "cache_bits": bits},
                         1, f"KIVI-style {bits}-bit keys and values, the last 128 tokens in full precision; each step "
                         f"dequantizes a whole layer (slower decoding); {loss}"))
@@ -65,7 +66,7 @@ def candidates(opts: Options, spec: GenerateSpec, gen: Generation) -> list[Candi
     if spec.num_beams > 1:
         out.append(("greedy decoding (1 beam)", {}, {"num_beams": 1}, 1, f"{spec.num_beams}× fewer sequences "
                     "decoded; other outputs than beam search"))
-    if not gen.logits_to_keep:
+    if not gen.logits_to_keep and not spec.last_logits_only:
         out.append(("logits_to_keep=1", {}, {"last_logits_only": True}, 1, "the prefill computes the last position's "
                     "logits only (what generate() passes where the forward accepts it): no cost"))
     return out

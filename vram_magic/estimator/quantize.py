@@ -364,7 +364,8 @@ def _parents(model: nn.Module, name: str) -> list[nn.Module]:
     parts = name.split(".") if name else []
     found, m = [], model
     for p in parts[:-1]:
-        m = m._modules.get(p)  # type: ignore[assignment]
+        children = m._modules  # a ScriptModule's is an OrderedModuleDict: no .get()
+        m = children[p] if p in children else None  # type: ignore[assignment]
         if m is None:
             break
         found.append(m)
