@@ -9,16 +9,24 @@ does not see which line or module made an allocation; the phase comes from the p
 
 The profiler is started with only the user-scope and backward-function record scopes, so ordinary ops record
 nothing; the cost is the memory events themselves, mostly paid when the recording is read at the end.
+
+The CPU allocator's profiler hook drops the free of every block made before the recording started (c10's
+``ProfiledCPUMemoryReporter::Delete`` knows no size for it, and logs a line instead: stderr_filter.py). Those are
+the frees of what was alive before the cell, so the recorder also listens to the registry's weakref callbacks while
+it records: each storage of the registry that dies is stamped with the clock the profiler's events are converted
+to (``time.time_ns``), and :func:`replay` puts its free in the history at that time. Where the profiler reports the
+same free (CUDA's caching allocator reports every one), it counts once.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from array import array
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -32,6 +40,9 @@ from .torch_private import (
     stop_profiler,
 )
 from .tracker import BACKWARD, CELL, FORWARD, OPTIMIZER
+
+if TYPE_CHECKING:
+    from .registry import Entry, LiveStorages
 
 # Phases only this backend tells apart: memory freed by ``zero_grad`` was a gradient.
 ZERO_GRAD = -1
@@ -84,16 +95,26 @@ class Recording:
     complete: bool = True
     oom_requests: list[int] = field(default_factory=list)
     scopes: set[str] = field(default_factory=set)
+    # (ns, serial) of the registry's storages of the device freed during the recording, in order, and the serials of
+    # those alive at its end (None: no registry was listened to)
+    released: list[tuple[int, int]] = field(default_factory=list)
+    alive: set[int] | None = None
 
 
 class AllocatorRecorder:
-    """Start and stop the profiler's memory recording around a block."""
+    """Start and stop the profiler's memory recording around a block. ``registry``: the storages known alive at the
+    start, whose frees the profiler may not report (see the module's docstring); it is listened to while recording,
+    and whoever listened before still hears every free."""
 
-    def __init__(self, device: str, *, scopes: bool = True) -> None:
+    def __init__(self, device: str, *, scopes: bool = True, registry: LiveStorages | None = None) -> None:
         self.device = device
         self.scopes = scopes  # False: the memory events only (no scopes, so no phases)
+        self.registry = registry
+        self.released: list[tuple[int, int]] = []
         self._on = False
         self._filter: StderrFilter | None = None
+        self._listener: Any = None
+        self._before: Any = None
 
     def start(self) -> AllocatorRecorder:
         with quiet_stderr():
@@ -101,18 +122,50 @@ class AllocatorRecorder:
         self._on = True
         # from here on, c10 logs a line to stderr when the cell frees a block made before the recording
         self._filter = StderrFilter().start()
+        if self.registry is not None:
+            self._listen(self.registry)
         return self
+
+    def _listen(self, registry: LiveStorages) -> None:
+        device, released, now = self.registry_device(), self.released, time.time_ns
+        before = registry.on_free
+
+        def heard(entry: Entry) -> None:
+            if entry.device == device:
+                released.append((now(), entry.serial))
+            if before is not None:
+                before(entry)
+
+        self._listener, self._before = heard, before
+        registry.on_free = heard
+
+    def registry_device(self) -> str:
+        """The device as the registry names it (``cuda`` → ``cuda:0``)."""
+        want = torch.device(self.device)
+        return f"cuda:{want.index or 0}" if want.type == "cuda" else want.type
+
+    def _unlisten(self) -> set[int] | None:
+        """Stop listening; the serials of the registry's storages of the device alive now."""
+        registry, listener, self._listener = self.registry, self._listener, None
+        if registry is None or listener is None:
+            return None
+        if registry.on_free is listener:
+            registry.on_free = self._before
+        device = self.registry_device()
+        return {entry.serial for _, entry in registry.live(device)}
 
     def stop(self) -> Recording:
         """End the recording and read it. If the user's own profiler took over during the block (PyTorch runs
         one at a time: starting theirs ended ours), theirs is left running and the recording is incomplete."""
+        alive = self._unlisten()
         roots = self.finish()
-        if roots is None:
-            return Recording(complete=False)
-        return read_events(roots, self.device)
+        rec = Recording(complete=False) if roots is None else read_events(roots, self.device)
+        rec.released, rec.alive = self.released, alive
+        return rec
 
     def finish(self) -> Any:
         """End the recording: the profiler's event tree (its roots), or ``None`` where it is incomplete."""
+        self._unlisten()
         if not self._on:
             return None
         self._on = False
@@ -204,62 +257,110 @@ def replay(rec: Recording, initial: dict[int, tuple[int, int]], next_serial: Any
            max_events: int = 2_000_000) -> Replayed:
     """``initial``: serial → (address, size) of the storages known to be alive at the start. A free of an
     address that is neither theirs nor allocated in the block is a storage that was alive at the start
-    without being known (counted as such, like the tracker's late storages)."""
-    out = Replayed(initial={s: size for s, (_, size) in initial.items()})
-    at: dict[int, int] = {addr: s for s, (addr, _) in initial.items() if addr}
-    phase_of: dict[int, int] = {}
-    current = sum(out.initial.values())
-    late_total = 0
-    peak = current
-    peak_index = 0
-    events = out.events
-    allocs = out.allocs
-    sizes: dict[int, int] = dict(out.initial)
+    without being known (counted as such, like the tracker's late storages). The frees of ``initial``'s storages
+    come from the profiler, from the registry (``rec.released``, at their times) or, for one still alive by neither
+    but gone at the end (``rec.alive``), at the end; each counts once."""
+    out = _Replay(initial, next_serial, max_events)
+    released = rec.released
+    i, n = 0, len(released)
     for ev in rec.events:
+        while i < n and released[i][0] <= ev.time:  # at the same time, the free first
+            out.release(released[i][1])
+            i += 1
         if ev.size > 0:
-            serial = next_serial()
-            old = at.get(ev.addr)
-            if old is not None and old in allocs:  # a block reused without its free seen: close it first
-                events.append(-old)
-                current -= sizes[old]
-            at[ev.addr] = serial
-            sizes[serial] = ev.size
-            phase = ev.phase if ev.phase != ZERO_GRAD else CELL
-            allocs[serial] = (ev.size, phase, (), 0)
-            phase_of[serial] = ev.phase
-            current += ev.size
-            if len(events) >= max_events:
-                out.truncated = True
-                continue
-            events.append(serial)
+            out.allocated(ev)
         else:
-            serial = at.pop(ev.addr, None)
-            size = -ev.size
-            if serial is None:  # alive at the start, unknown to the scan
-                serial = next_serial()
-                out.late[serial] = size
-                sizes[serial] = size
-                late_total += size
-                current += size
-                peak += size
-            made = phase_of.get(serial)
-            if made is not None:
-                if ev.phase == ZERO_GRAD and made != OPTIMIZER:
-                    out.roles[serial] = ("gradients", "gradients (freed by zero_grad)")
-                elif ev.phase == BACKWARD and made not in (BACKWARD, OPTIMIZER):
-                    out.roles[serial] = ("activations", "saved for backward")
-            current -= sizes.get(serial, size)
-            if len(events) >= max_events:
-                out.truncated = True
-                continue
-            events.append(-serial)
-        if current > peak:
-            peak = current
-            peak_index = len(events)
-    out.current = current
-    out.peak = peak
-    out.peak_index = peak_index
-    out.addr = {serial: addr for addr, serial in at.items()}
-    if rec.oom_requests:
-        out.oom = {"requested": rec.oom_requests[-1]}
-    return out
+            out.freed(ev)
+    for _, serial in released[i:]:
+        out.release(serial)
+    if rec.alive is not None:  # gone at the end with no free heard (a listener put in the recorder's place)
+        for serial in [s for s in out.initial if s not in rec.alive]:
+            out.release(serial)
+    return out.result(rec)
+
+
+class _Replay:
+    """The state of :func:`replay` as it goes through the events."""
+
+    def __init__(self, initial: dict[int, tuple[int, int]], next_serial: Any, max_events: int) -> None:
+        self.out = Replayed(initial={s: size for s, (_, size) in initial.items()})
+        self.initial = self.out.initial
+        self.addr_of = {s: addr for s, (addr, _) in initial.items()}
+        self.at: dict[int, int] = {addr: s for s, addr in self.addr_of.items() if addr}
+        self.gone: dict[int, int] = {}  # address -> serial of a storage of `initial` the registry saw freed
+        self.done: set[int] = set()  # the serials of `initial` freed so far
+        self.phase_of: dict[int, int] = {}
+        self.sizes: dict[int, int] = dict(self.initial)
+        self.current = self.peak = sum(self.initial.values())
+        self.peak_index = 0
+        self.next_serial = next_serial
+        self.max_events = max_events
+
+    def _event(self, ev: int) -> None:
+        events = self.out.events
+        if len(events) >= self.max_events:
+            self.out.truncated = True
+            return
+        events.append(ev)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.peak_index = len(events)
+
+    def release(self, serial: int) -> None:
+        """A storage of ``initial`` is freed (once: the registry and the profiler may both say so)."""
+        if serial not in self.initial or serial in self.done:
+            return
+        self.done.add(serial)
+        addr = self.addr_of.get(serial, 0)
+        if addr and self.at.get(addr) == serial:
+            del self.at[addr]
+            self.gone[addr] = serial
+        self.current -= self.initial[serial]
+        self._event(-serial)
+
+    def allocated(self, ev: MemoryEvent) -> None:
+        at, allocs = self.at, self.out.allocs
+        serial = self.next_serial()
+        old = at.get(ev.addr)
+        if old is not None and old in allocs:  # a block reused without its free seen: close it first
+            self.out.events.append(-old)
+            self.current -= self.sizes[old]
+        elif old is not None:  # memory of a storage of `initial` reused: it was freed before (the clocks disagree)
+            self.release(old)
+        self.gone.pop(ev.addr, None)
+        at[ev.addr] = serial
+        self.sizes[serial] = ev.size
+        allocs[serial] = (ev.size, ev.phase if ev.phase != ZERO_GRAD else CELL, (), 0)
+        self.phase_of[serial] = ev.phase
+        self.current += ev.size
+        self._event(serial)
+
+    def freed(self, ev: MemoryEvent) -> None:
+        serial = self.at.pop(ev.addr, None)
+        size = -ev.size
+        if serial is None:
+            if self.gone.pop(ev.addr, None) is not None:  # its free already heard from the registry
+                return
+            serial = self.next_serial()  # alive at the start, unknown to the scan
+            self.out.late[serial] = size
+            self.sizes[serial] = size
+            self.current += size
+            self.peak += size
+        elif serial in self.initial:
+            self.done.add(serial)
+        made = self.phase_of.get(serial)
+        if made is not None:
+            if ev.phase == ZERO_GRAD and made != OPTIMIZER:
+                self.out.roles[serial] = ("gradients", "gradients (freed by zero_grad)")
+            elif ev.phase == BACKWARD and made not in (BACKWARD, OPTIMIZER):
+                self.out.roles[serial] = ("activations", "saved for backward")
+        self.current -= self.sizes.get(serial, size)
+        self._event(-serial)
+
+    def result(self, rec: Recording) -> Replayed:
+        out = self.out
+        out.current, out.peak, out.peak_index = self.current, self.peak, self.peak_index
+        out.addr = {serial: addr for addr, serial in self.at.items()}
+        if rec.oom_requests:
+            out.oom = {"requested": rec.oom_requests[-1]}
+        return out

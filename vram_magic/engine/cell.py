@@ -223,7 +223,7 @@ class Measurement:
                 self._cuda = cuda.CudaCell(self.device, budget=self.budget).start()
             if self.backend == "allocator":
                 self._initial_addrs = self._addresses(initial)
-                self._recorder = AllocatorRecorder(self.device)
+                self._recorder = AllocatorRecorder(self.device, registry=self.registry)
                 self._t0 = time.perf_counter()
                 self._recorder.start()
             else:
