@@ -11,8 +11,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "vram_magic"
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 120
 # a result's text, HTML, plot and snapshot file come from its renderer, imported when the result is shown or saved
-RENDER_METHODS = {"__str__", "__repr__", "_repr_html_", "_repr_mimebundle_", "_repr_pretty_", "timeline",
-                  "save_snapshot"}
+# (``_text`` and ``_html`` are what a result gives vram_magic.rendered.Rendered)
+RENDER_METHODS = {"__str__", "__repr__", "_repr_html_", "_repr_mimebundle_", "_repr_pretty_", "_text", "_html",
+                  "timeline", "save_snapshot"}
 
 
 def modules() -> dict[str, Path]:

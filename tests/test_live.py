@@ -126,7 +126,7 @@ def test_polling_never_touches_cuda_on_the_cpu_or_before_initialisation() -> Non
 
 def test_a_backend_that_knows_its_numbers_only_at_the_end() -> None:
     """The allocator backend: no numbers while running; on CUDA the view shows ``memory_allocated`` instead."""
-    from vram_magic.report import LiveStatus
+    from vram_magic.live_status import LiveStatus
 
     status = LiveStatus(device="cuda:0", backend="allocator", elapsed=2.5, phase="")
     text = live_text(status, cell=3)

@@ -17,12 +17,12 @@ from conftest import run, run_ok
 from IPython.utils.capture import capture_output
 
 import vram_magic
+from vram_magic.breakdown import CATEGORIES
 from vram_magic.render import COLORS
 from vram_magic.render.bars import ZOOM_FRACTION, scale_for
 from vram_magic.render.html import report_html, report_scale
 from vram_magic.render.text import report_text
 from vram_magic.render.widget import report_bundle
-from vram_magic.report import CATEGORIES
 
 F32 = 4
 MiB = 2**20

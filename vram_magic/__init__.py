@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .report import CATEGORIES, Advice, Breakdown, CellReport, DeviceStats, OomInfo
+from .breakdown import CATEGORIES, Breakdown
+from .device_stats import DeviceStats
+from .report import Advice, CellReport, OomInfo
 from .units import format_bytes, parse_size
 
 if TYPE_CHECKING:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .report import CellReport, shown_categories
+from .breakdown import shown_categories
+from .report import CellReport
 from .units import format_bytes
 
 if TYPE_CHECKING:

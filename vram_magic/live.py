@@ -47,7 +47,7 @@ def polled_allocated(device: str) -> int | None:
 class LiveView:
     """Shows ``render(status)`` every ``interval`` seconds once ``delay`` seconds have passed.
 
-    ``status()`` returns the current :class:`~vram_magic.report.LiveStatus` (``None`` when the block is not
+    ``status()`` returns the current :class:`~vram_magic.live_status.LiveStatus` (``None`` when the block is not
     running). Call :meth:`stop` before the measurement ends, then :meth:`finish` with the final bundle.
     """
 

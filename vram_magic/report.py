@@ -1,53 +1,20 @@
-"""Result types: frozen, plain numbers in bytes, never a tensor reference. They render themselves."""
+"""The report of one measured cell (:class:`CellReport`) with the parts that live only in one: the state at its
+out-of-memory failure (:class:`OomInfo`) and its suggestions (:class:`Advice`). Frozen, plain numbers in bytes, never
+a tensor reference; a report renders itself."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .rendered import Rendered
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from .breakdown import Breakdown
+    from .device_stats import DeviceStats
     from .trace import Trace
-
-from .breakdown import CATEGORIES as CATEGORIES
-from .breakdown import LABELS as LABELS
-from .breakdown import OPTIONAL as OPTIONAL
-from .breakdown import Breakdown as Breakdown
-from .breakdown import shown_categories as shown_categories
-
-
-@dataclass(frozen=True)
-class DeviceStats:
-    """What the device itself says. On CUDA this reconciles with nvidia-smi:
-    ``used_by_process ≈ reserved + cuda_context_and_other``."""
-
-    device: str
-    allocated: int
-    reserved: int | None = None
-    total: int | None = None
-    free: int | None = None
-    inactive_split: int | None = None
-    peak_allocated: int | None = None
-
-    @property
-    def used(self) -> int | None:
-        """Bytes in use on the whole device (what nvidia-smi shows for all processes)."""
-        if self.total is None or self.free is None:
-            return None
-        return self.total - self.free
-
-    @property
-    def outside_allocator(self) -> int | None:
-        """CUDA context, other libraries and other processes: used minus PyTorch's reserved."""
-        if self.used is None or self.reserved is None:
-            return None
-        return max(self.used - self.reserved, 0)
-
-    @property
-    def cached(self) -> int | None:
-        """Reserved by PyTorch's caching allocator but not holding a tensor."""
-        return None if self.reserved is None else self.reserved - self.allocated
 
 
 @dataclass(frozen=True)
@@ -84,29 +51,7 @@ class OomInfo:
 
 
 @dataclass(frozen=True)
-class LiveStatus:
-    """A measured block while it runs (what a live view shows; read from another thread, so approximate).
-
-    ``now``/``peak`` are bytes on the device (``None`` where the backend only knows them at the end);
-    ``breakdown`` splits ``now`` by category where the backend can tell while running: storages alive at the
-    start keep the category the scan gave them, storages made since count by the phase that made them
-    (forward and backward → activations, a KV cache's updates → KV cache, the rest → other). ``phase`` is the
-    phase of the latest allocation; ``step`` the decode step of a ``generate()`` call under way (0: none, or
-    its prefill).
-    """
-
-    device: str
-    backend: str
-    elapsed: float
-    phase: str
-    now: int | None = None
-    peak: int | None = None
-    breakdown: Breakdown | None = None
-    step: int = 0
-
-
-@dataclass(frozen=True)
-class CellReport:
+class CellReport(Rendered):
     """Memory of one measured cell (or ``with vram_magic.measure()`` block).
 
     ``before``/``after``/``peak`` are :class:`Breakdown` mappings; ``delta`` is ``after`` minus the previous
@@ -160,16 +105,12 @@ class CellReport:
             return []
         return self.trace.modules_at(self.trace.peak_index, top=top)
 
-    def __str__(self) -> str:
+    def _text(self) -> str:
         from .render.text import report_text
 
         return report_text(self)
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+    def _html(self) -> str:
         from .render.html import report_html
-        from .render.text import report_text
 
-        return {"text/plain": report_text(self), "text/html": report_html(self)}
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
+        return report_html(self)

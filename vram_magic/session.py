@@ -10,7 +10,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .report import Breakdown, CellReport, DeviceStats
+from .breakdown import Breakdown
+from .device_stats import DeviceStats
+from .rendered import Rendered
+from .report import CellReport
 from .units import parse_size
 
 if TYPE_CHECKING:
@@ -20,7 +23,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class MemoryNow:
+class MemoryNow(Rendered):
     """What ``%vram`` shows: the device's memory at this moment, split by category."""
 
     device: str
@@ -29,18 +32,15 @@ class MemoryNow:
     capacity: int | None
     notes: tuple[str, ...] = ()
 
-    def __str__(self) -> str:
+    def _text(self) -> str:
         from .render.text import now_text
 
         return now_text(self)
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+    def _html(self) -> str:
         from .render.html import now_html
 
-        return {"text/plain": str(self), "text/html": now_html(self)}
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
+        return now_html(self)
 
 
 class Session:

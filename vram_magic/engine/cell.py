@@ -22,7 +22,10 @@ from typing import Any
 
 import torch
 
-from ..report import Breakdown, CellReport, DeviceStats, LiveStatus, OomInfo
+from ..breakdown import Breakdown
+from ..device_stats import DeviceStats
+from ..live_status import LiveStatus
+from ..report import CellReport, OomInfo
 from ..trace import Block, Trace
 from ..units import format_bytes, parse_size
 from . import cuda

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..report import DeviceStats
+from ..device_stats import DeviceStats
 from ..units import format_bytes
 from .cuda_history import HistoryReplay, cell_window, end_blocks, expected_entries, replay_blocks
 from .cuda_oom import parse_oom_message, requested_bytes

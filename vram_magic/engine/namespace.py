@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..report import Breakdown, DeviceStats
+from ..breakdown import Breakdown
+from ..device_stats import DeviceStats
 from . import cuda
 from .attribution import scan_namespace
 from .registry import LiveStorages

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..report import Breakdown
+from ..breakdown import Breakdown
 from ..trace import alive_after
 from ..units import parse_size
 from .cuda_model import CudaModel, allocator_layout

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import html
 
+from ..breakdown import shown_categories
 from ..render.bars import BarRow, Cell, Extra, bars_html, grid_html, nbsp_sizes, scale_for, values_html, zoom_note
 from ..render.text import bar, legend, table
 from ..render.theme import BAD, GOOD, MUTED, NUM, RESERVE, ROOT, SMALL
-from ..report import shown_categories
 from ..units import format_bytes, format_count
 from .result import Estimate, Strategy
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..report import CATEGORIES, Breakdown, shown_categories
+from ..breakdown import CATEGORIES, Breakdown, shown_categories
 from ..units import format_bytes
 
 if TYPE_CHECKING:

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
+from ..breakdown import CATEGORIES, LABELS
 from ..render import COLORS
-from ..report import CATEGORIES, LABELS
 from . import procs
 from .figures import FOLDER, FiguresReader
 from .nvml import Device, Nvml, same_device

@@ -170,8 +170,9 @@ def _with_launcher(rr: Any, launcher: str) -> Any:
 
 def _partial_report(m: Any) -> Any:
     """A report from what a running measurement knows (its live status): the split now, the peak so far."""
+    from ..breakdown import Breakdown
     from ..engine.namespace import add_other
-    from ..report import Breakdown, CellReport
+    from ..report import CellReport
 
     status = m.status()
     if status is None or status.breakdown is None:

@@ -12,7 +12,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields
 from typing import Any
 
-from ..report import CATEGORIES, Advice, Breakdown, CellReport, DeviceStats, OomInfo
+from ..breakdown import CATEGORIES, Breakdown
+from ..device_stats import DeviceStats
+from ..report import Advice, CellReport, OomInfo
 
 FORMAT = "vram_magic.rank/1"
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from ..breakdown import LABELS, Breakdown, shown_categories
 from ..render import LETTERS
 from ..render.bars import BarRow, Cell, bars_html, grid_html, nbsp_sizes, scale_for, text_bar, values_html
 from ..render.theme import BAD, MUTED, NUM, ROOT, SMALL
-from ..report import LABELS, Breakdown, shown_categories
 from ..units import format_bytes
 from .result import RankReport, RankReports
 

@@ -12,7 +12,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, overload
 
-from ..report import CATEGORIES, Breakdown, CellReport
+from ..breakdown import CATEGORIES, Breakdown
+from ..rendered import Rendered
+from ..report import CellReport
 from .payload import FORMAT, dumps, loads, report_from_dict, report_to_dict
 
 if TYPE_CHECKING:
@@ -130,7 +132,7 @@ class Imbalance:
 
 
 @dataclass(frozen=True)
-class RankReports(Sequence[RankReport]):
+class RankReports(Rendered, Sequence[RankReport]):
     """Every rank's report, ordered by rank (a sequence: ``reports[0]``, ``len(reports)``, iteration).
 
     ``estimate``: a per-rank estimate (``vram_magic.estimate(..., fsdp=True, world=N)`` or ``%vram_estimate …
@@ -267,18 +269,15 @@ class RankReports(Sequence[RankReport]):
                    notes=notes)
 
     # --- rendering ---------------------------------------------------------------------------------
-    def __str__(self) -> str:
+    def _text(self) -> str:
         from .render import ranks_text
 
         return ranks_text(self)
 
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
+    def _html(self) -> str:
+        from .render import ranks_html
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        from .render import ranks_html, ranks_text
-
-        return {"text/plain": ranks_text(self), "text/html": ranks_html(self)}
+        return ranks_html(self)
 
 
 def rank_file_name(rank: int) -> str:

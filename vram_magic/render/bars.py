@@ -18,7 +18,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..report import CATEGORIES, LABELS, Breakdown, shown_categories
+from ..breakdown import CATEGORIES, LABELS, Breakdown, shown_categories
 from ..units import format_bytes
 from . import COLORS, LETTERS
 from .theme import GRID, MUTED, NUM, SMALL, TRACK

@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING, Any
 
-from ..report import CATEGORIES, LABELS, Breakdown, CellReport, shown_categories
+from ..breakdown import CATEGORIES, LABELS, Breakdown, shown_categories
 from ..trace import format_frame
 from ..units import format_bytes
 from .bars import BarRow, Extra, Scale, bars_html, code_html, nbsp_sizes, scale_for, swatch, values_html, zoom_note
@@ -18,7 +18,8 @@ from .text import title
 from .theme import MUTED, REQUEST, ROOT, SMALL
 
 if TYPE_CHECKING:
-    from ..report import LiveStatus
+    from ..live_status import LiveStatus
+    from ..report import CellReport
 
 
 def _capacity_label(report: Any) -> str:

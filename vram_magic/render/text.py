@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..report import CATEGORIES, LABELS, Breakdown, CellReport, shown_categories
+from ..breakdown import CATEGORIES, LABELS, Breakdown, shown_categories
 from ..trace import format_frame
 from ..units import format_bytes
 from . import LETTERS
 
 if TYPE_CHECKING:
-    from ..report import LiveStatus
+    from ..live_status import LiveStatus
+    from ..report import CellReport
 
 _SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
           "kv_cache": "kv cache", "other": "other"}
@@ -37,7 +38,7 @@ def _signed(n: int, reference: int | None) -> str:
 def table(rows: list[tuple[str, Breakdown]], signed: bool = False, reference: int | None = None,
           categories: tuple[str, ...] | None = None) -> str:
     """Rows of bytes per category; with ``signed``, changes negligible next to ``reference`` read ±0.
-    ``categories``: the columns (default: those the rows have, see :func:`~vram_magic.report.shown_categories`)."""
+    ``categories``: the columns (default: those the rows have, see :func:`~vram_magic.breakdown.shown_categories`)."""
     shown = categories if categories is not None else shown_categories(*[b for _, b in rows])
     head = ["".ljust(12)] + [_SHORT[c].rjust(11) for c in shown] + ["total".rjust(11)]
     lines = ["".join(head)]

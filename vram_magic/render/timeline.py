@@ -13,7 +13,7 @@ import base64
 import io
 from typing import TYPE_CHECKING, Any
 
-from ..report import CATEGORIES, LABELS, OPTIONAL
+from ..breakdown import CATEGORIES, LABELS, OPTIONAL
 from ..trace import format_frame
 from ..units import format_bytes
 from . import COLORS

@@ -8,11 +8,13 @@ display``): it goes in front of this bundle, which stays as its fallback.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..report import CellReport
 from .html import report_html
 from .text import report_text
+
+if TYPE_CHECKING:
+    from ..report import CellReport
 
 
 def report_bundle(report: CellReport, *, session_scale: int | None = None) -> dict[str, Any]:
