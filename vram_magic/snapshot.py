@@ -12,6 +12,8 @@ import pickle
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .trace import peak_of
+
 if TYPE_CHECKING:
     from .report import CellReport
     from .trace import Block
@@ -104,10 +106,5 @@ def replay(snapshot: Mapping[str, Any], device: int = 0, since: int = 0) -> tupl
     frees = "free_requested" if any(e["action"] == "free_requested" for e in entries) else "free_completed"
     deltas = [e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == frees else 0 for e in entries]
     start = end - sum(deltas)
-    current = peak = start
-    peak_entry = 0
-    for i, d in enumerate(deltas, 1):
-        current += d
-        if current > peak:
-            peak, peak_entry = current, i
+    peak, peak_entry = peak_of(deltas, start)
     return start, peak, peak_entry

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -106,6 +106,46 @@ class Trace:
         allocs = [(i, self.blocks[ev]) for i, ev in enumerate(self.events) if ev > 0]
         allocs.sort(key=lambda ib: -ib[1].size)
         return allocs[:top]
+
+
+class Peak(NamedTuple):
+    """The highest level a stream of allocation events reaches: ``level`` bytes, first reached once ``index`` deltas
+    were applied (0: the start)."""
+
+    level: int
+    index: int
+
+
+def peak_of(deltas: Iterable[int], start: int = 0, *, spikes: Mapping[int, int] | None = None,
+            skip: range = range(0)) -> Peak:
+    """The peak of a level that starts at ``start`` bytes and changes by each of ``deltas`` in turn (``+size`` an
+    allocation, ``-size`` a free, 0 an event that changes nothing): the first time the highest level is reached.
+
+    ``spikes``: bytes alive only at one index (after that many deltas: kernel scratch, a collective's buffer), added to
+    the level there and not carried on. ``skip``: indices whose level is not a candidate (a stretch that is left out
+    of the peak); the level still moves through them."""
+    level = peak = start
+    at = 0
+    if spikes is None and not skip:  # the common case, kept to one comparison per event
+        for i, d in enumerate(deltas, 1):
+            level += d
+            if level > peak:
+                peak, at = level, i
+        return Peak(peak, at)
+    for i, d in enumerate(deltas, 1):
+        level += d
+        if i in skip:
+            continue
+        high = level + spikes.get(i, 0) if spikes else level
+        if high > peak:
+            peak, at = high, i
+    return Peak(peak, at)
+
+
+def event_deltas(events: Iterable[int], sizes: Mapping[int, int]) -> Iterator[int]:
+    """The deltas of ``events`` (``+serial`` an allocation, ``-serial`` a free), each serial's bytes in ``sizes``."""
+    for ev in events:
+        yield sizes[ev] if ev > 0 else -sizes[-ev]
 
 
 def alive_after(initial: Iterable[int], events: Sequence[int], index: int) -> set[int]:
