@@ -138,10 +138,25 @@ def defers(types: Any, cache: dict[Any, bool]) -> bool:
     return hit
 
 
+_DROPOUT = torch.ops.aten.dropout.default
+
+
+def _dropping(args: Any, kwargs: Any) -> bool:
+    """Whether ``aten.dropout(input, p, train)`` drops anything."""
+    named = kwargs or {}
+    p = args[1] if len(args) > 1 else named.get("p", 0.5)
+    train = args[2] if len(args) > 2 else named.get("train")
+    return bool(train) and p != 0
+
+
 def run_decomposed(mode: Any, func: Any, args: Any, kwargs: Any) -> Any:
     """Run a composite op's decomposition with ``mode`` seeing each of its parts (under inference_mode composite ops
     reach a dispatch mode whole, and their parts, such as the log-softmax inside a loss, would allocate out of
     sight); ``NotImplemented`` where it has none."""
+    if func is _DROPOUT and not _dropping(args, kwargs):
+        # eager's kernel returns the input itself (ATen's _dropout_impl: p == 0 or not training); PyTorch's Python
+        # decomposition, which decompose() runs, returns a clone: an eval-mode Dropout would read as a copy
+        return args[0] if args else kwargs["input"]
     _push_mode(mode)
     try:
         return func.decompose(*args, **(kwargs or {}))
