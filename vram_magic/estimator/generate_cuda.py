@@ -129,10 +129,10 @@ class PinnedAllocator(CachingAllocator):
 
     pinned: int = 0
     peak_pinned: int = 0
-    _bases: list[int] = field(default_factory=list)
-    _segment: dict[int, int] = field(default_factory=dict)  # base -> bytes
-    _count: dict[int, int] = field(default_factory=dict)  # base -> live blocks
-    _of: dict[int, int] = field(default_factory=dict)  # handle -> base
+    _pin_bases: list[int] = field(default_factory=list)
+    _pin_segment: dict[int, int] = field(default_factory=dict)  # base -> bytes
+    _pin_count: dict[int, int] = field(default_factory=dict)  # base -> live blocks
+    _pin_base: dict[int, int] = field(default_factory=dict)  # handle -> base
 
     def malloc(self, nbytes: int) -> int:
         before = self.reserved
@@ -141,22 +141,22 @@ class PinnedAllocator(CachingAllocator):
             return 0
         addr = self._live[handle].addr  # the block's address (a segment's first block starts at its base)
         if self.reserved > before:
-            bisect.insort(self._bases, addr)
-            self._segment[addr] = self.reserved - before
-        base = self._bases[bisect.bisect_right(self._bases, addr) - 1]
-        self._of[handle] = base
-        self._count[base] = self._count.get(base, 0) + 1
-        if self._count[base] == 1:
-            self.pinned += self._segment[base]
+            bisect.insort(self._pin_bases, addr)
+            self._pin_segment[addr] = self.reserved - before
+        base = self._pin_bases[bisect.bisect_right(self._pin_bases, addr) - 1]
+        self._pin_base[handle] = base
+        self._pin_count[base] = self._pin_count.get(base, 0) + 1
+        if self._pin_count[base] == 1:
+            self.pinned += self._pin_segment[base]
             self.peak_pinned = max(self.peak_pinned, self.pinned)
         return handle
 
     def free(self, handle: int) -> None:
-        base = self._of.pop(handle, None)
+        base = self._pin_base.pop(handle, None)
         if base is not None:
-            self._count[base] -= 1
-            if not self._count[base]:
-                self.pinned -= self._segment[base]
+            self._pin_count[base] -= 1
+            if not self._pin_count[base]:
+                self.pinned -= self._pin_segment[base]
         super().free(handle)
 
 
