@@ -9,6 +9,8 @@ import pytest
 from lab_server import *  # noqa: F403
 from lab_server import kernel
 
+from vram_magic.lab.schema import KernelsReply, problems
+
 pytestmark = pytest.mark.slow
 
 TENSOR = 100 * 2**20 * 4  # torch.ones(100 * 2**20): float32, 400 MiB
@@ -25,6 +27,7 @@ def test_two_kernels_the_one_holding_a_tensor_reads_more(lab, jp_runtime_dir):
         lab.execute(ka, "%load_ext vram_magic")
         lab.execute(ka, "%%vram -q\nx = torch.ones(100 * 2**20)")
         data = lab.wait(lambda d: (kernel(d, ka)["vram_magic"] or {}).get("last_cell") is not None)
+        assert problems(data, KernelsReply) == []  # the answer is what the front end's types say
         a, b = kernel(data, ka), kernel(data, kb)
         assert {a["path"], b["path"]} == {"work/a.ipynb", "b.ipynb"}
         assert a["pid"] == pid_a and a["pid_source"] == "kernel" and a["local_pid"] == pid_a
@@ -36,7 +39,7 @@ def test_two_kernels_the_one_holding_a_tensor_reads_more(lab, jp_runtime_dir):
         own = a["vram_magic"]
         assert own["pid"] == pid_a and own["kernel_id"] == ka and own["notebook"].endswith("/work/a.ipynb")
         assert own["last_cell"]["after"]["other"] == TENSOR
-        assert own["last_cell"]["total"] == TENSOR and own["devices"] == []
+        assert sum(own["last_cell"]["after"].values()) == TENSOR and own["devices"] == []
         assert os.path.isfile(os.path.join(jp_runtime_dir, "vram-magic", f"{pid_a}.json"))
         assert b["vram_magic"] is None
         # no GPU and no NVML here: no GPU figures, and a note that says why

@@ -11,8 +11,9 @@ import { IStatusBar } from '@jupyterlab/statusbar';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Signal } from '@lumino/signaling';
 
-import { IKernel, KernelsModel } from './model';
+import { KernelsModel } from './model';
 import { KernelsPanel, PANEL_ID } from './panel';
+import { IKernel } from './schema';
 import { StatusItem } from './status';
 
 const OPEN = 'vram-magic:open';

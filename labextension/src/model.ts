@@ -1,85 +1,14 @@
-// What GET {base_url}vram-magic/kernels answers (see vram_magic/lab/collect.py), and the one poll that asks it:
-// every few seconds while the status bar item or the panel is on screen, never while the page is hidden.
+// The one poll that asks GET {base_url}vram-magic/kernels (its answer's types: ./schema, generated from
+// vram_magic/lab/schema.py): every few seconds while the status bar item or the panel is on screen, never while the
+// page is hidden.
 
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 
-export interface IGpu {
-  index: number | null; // NVML's device index
-  device: string | null; // the kernel's own name for it ("cuda:0"), from its figures
-  name: string | null;
-  used: number; // bytes: the process's GPU memory (NVML) or the kernel's reserved bytes (its own figures)
-  total: number | null;
-  allocated?: number;
-  source: 'nvml' | 'vram_magic';
-}
+import { IGpu, IKernel, IKernelsReply, ROUTE } from './schema';
 
-export interface ILastCell {
-  cell: number | null;
-  device: string;
-  after: Record<string, number>;
-  peak: Record<string, number>;
-  total: number;
-  peak_total: number;
-  failed: boolean;
-  oom: boolean;
-}
-
-export interface IOwnFigures {
-  time: number;
-  devices: { device: string; uuid: string; allocated: number; reserved: number; total: number }[];
-  last_cell: ILastCell | null;
-  measured_cells: number;
-}
-
-export interface IKernel {
-  id: string;
-  name: string | null;
-  execution_state: string | null;
-  session: string | null;
-  path: string | null;
-  type: string | null;
-  pid: number | null;
-  pid_source: 'kernel' | 'provisioner' | null;
-  local_pid: number | null;
-  nspid: number[] | null;
-  rss: number | null;
-  gpu: IGpu[];
-  vram_magic: IOwnFigures | null;
-  history: [number, number | null, number][]; // (time s, rss, gpu bytes)
-}
-
-export interface IDevice {
-  index: number;
-  name: string;
-  uuid: string;
-  total: number;
-  used: number;
-  free: number;
-  mig: boolean;
-  processes: number;
-  kernels: number;
-  other: number | null;
-}
-
-export interface ICategory {
-  name: string;
-  label: string;
-  color: string;
-}
-
-export interface IKernelsReply {
-  kernels: IKernel[];
-  devices: IDevice[];
-  notes: string[];
-  categories: ICategory[];
-  server: { pid: number; time: number };
-  took_ms: number;
-}
-
-export const ROUTE = ['vram-magic', 'kernels'];
 export const INTERVAL_MS = 5000;
 
 export class KernelsModel {

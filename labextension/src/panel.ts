@@ -7,7 +7,8 @@ import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
 
 import { basename, formatBytes, minutes, ofTotal } from './format';
-import { ICategory, IDevice, IKernel, KernelsModel, gpuBytes } from './model';
+import { KernelsModel, gpuBytes } from './model';
+import { ICategory, IDevice, IKernel } from './schema';
 
 export const PANEL_ID = 'vram-magic-panel';
 
@@ -107,6 +108,11 @@ function deviceView(d: IDevice): HTMLElement {
     h('div', { class: 'vram-magic-sub' }, parts.join(' · ')));
 }
 
+/** The bytes of a breakdown: its categories add up to its total. */
+function sum(breakdown: Record<string, number>): number {
+  return Object.values(breakdown).reduce((s, n) => s + n, 0);
+}
+
 function lastCellView(kernel: IKernel, categories: ICategory[]): HTMLElement | null {
   const cell = kernel.vram_magic?.last_cell;
   if (!cell) {
@@ -115,7 +121,9 @@ function lastCellView(kernel: IKernel, categories: ICategory[]): HTMLElement | n
       : null;
   }
   const segs = categories.map(c => ({ bytes: cell.after[c.name] ?? 0, color: c.color, label: c.label }));
-  const scale = Math.max(cell.peak_total, cell.total, 1);
+  const total = sum(cell.after);
+  const peak = sum(cell.peak);
+  const scale = Math.max(peak, total, 1);
   const name = cell.cell !== null ? `cell [${cell.cell}]` : 'last measured cell';
   const legend = h('ul', { class: 'vram-magic-legend' });
   for (const c of categories) {
@@ -126,12 +134,12 @@ function lastCellView(kernel: IKernel, categories: ICategory[]): HTMLElement | n
       legend.append(h('li', {}, sw, `${c.label} ${formatBytes(n)}`));
     }
   }
-  const flag = cell.oom ? ' · out of memory' : cell.failed ? ' · raised' : '';
+  const flag = cell.oom ? ' · out of memory' : cell.error ? ' · raised' : '';
   return h('div', { class: 'vram-magic-cell' },
     h('div', { class: 'vram-magic-row' },
       h('span', { class: 'vram-magic-sub' }, `${name} on ${cell.device}${flag}`),
       h('span', { class: 'vram-magic-num vram-magic-sub' },
-        `${formatBytes(cell.total)} after, peak ${formatBytes(cell.peak_total)}`)),
+        `${formatBytes(total)} after, peak ${formatBytes(peak)}`)),
     bar(segs, scale, `${name}: ${segs.filter(s => s.bytes > 0).map(s => `${s.label} ${formatBytes(s.bytes)}`)
       .join(', ') || 'nothing'} after the cell`),
     legend);

@@ -6,7 +6,8 @@ import { INotebookTracker } from '@jupyterlab/notebook';
 import { Widget } from '@lumino/widgets';
 
 import { basename, formatBytes, ofTotal } from './format';
-import { IKernel, KernelsModel, mainGpu } from './model';
+import { KernelsModel, mainGpu } from './model';
+import { IKernel } from './schema';
 
 export const STATUS_ID = 'vram-magic-status';
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from ..breakdown import CATEGORIES, LABELS
 from ..render import COLORS
-from . import procs
-from .figures import FOLDER, FiguresReader
+from . import procs, schema
+from .figures import FiguresReader
 from .nvml import Device, Nvml, same_device
 from .pids import KernelPid, KernelPids
 
@@ -57,7 +57,7 @@ def foreign_pids(devices: Iterable[Device], is_alive: Any = procs.alive) -> list
     return sorted({p.pid for d in devices for p in d.processes if not is_alive(p.pid)})
 
 
-def namespace_notes(devices: list[Device], foreign: list[int], kernels: list[dict[str, Any]]) -> list[str]:
+def namespace_notes(devices: list[Device], foreign: list[int], kernels: list[schema.Kernel]) -> list[str]:
     notes = []
     if foreign:
         shown = ", ".join(str(p) for p in foreign[:5]) + (" …" if len(foreign) > 5 else "")
@@ -70,9 +70,9 @@ def namespace_notes(devices: list[Device], foreign: list[int], kernels: list[dic
             chain = k["nspid"]
             notes.append(f"The kernel of {k.get('path') or k['id']} runs in a nested pid namespace: its pid "
                          f"{chain[-1]} is {chain[0]} here.")
-        own = (k.get("vram_magic") or {}).get("devices") or []
+        own = k["vram_magic"]["devices"] if k["vram_magic"] else []
         for d in own:
-            dev = next((x for x in devices if same_device(x.uuid, d.get("uuid"))), None)
+            dev = next((x for x in devices if same_device(x.uuid, d["uuid"])), None)
             if dev is None or not dev.processes or any(g["source"] == "nvml" and g.get("index") == dev.index
                                                        for g in k["gpu"]):
                 continue
@@ -87,17 +87,16 @@ def namespace_notes(devices: list[Device], foreign: list[int], kernels: list[dic
     return notes
 
 
-def _own_gpu(figures: Mapping[str, Any] | None, devices: list[Device], nvml_gpu: list[dict[str, Any]]
-             ) -> list[dict[str, Any]]:
+def _own_gpu(figures: schema.Figures | None, devices: list[Device], nvml_gpu: list[schema.Gpu]) -> list[schema.Gpu]:
     """The kernel's reserved bytes per device from its own figures, for devices NVML attributed nothing on."""
     out = []
-    for d in (figures or {}).get("devices") or []:
-        dev = next((x for x in devices if same_device(x.uuid, d.get("uuid"))), None)
+    for d in figures["devices"] if figures else []:
+        dev = next((x for x in devices if same_device(x.uuid, d["uuid"])), None)
         if dev is not None and any(g["index"] == dev.index for g in nvml_gpu):
             continue
-        out.append({"index": dev.index if dev else None, "device": d.get("device"), "name": dev.name if dev else None,
-                    "used": int(d.get("reserved", 0)), "allocated": int(d.get("allocated", 0)),
-                    "total": int(d.get("total") or (dev.total if dev else 0)) or None, "source": "vram_magic"})
+        out.append(schema.Gpu(index=dev.index if dev else None, device=d["device"], name=dev.name if dev else None,
+                              used=d["reserved"], total=d["total"] or (dev.total if dev else 0) or None,
+                              allocated=d["allocated"], source="vram_magic"))
     return out
 
 
@@ -114,13 +113,13 @@ class Collector:
         self.session_manager = session_manager
         self.pids = KernelPids()
         self.nvml = nvml if nvml is not None else Nvml()
-        folder = figures_folder or os.path.join(getattr(kernel_manager, "connection_dir", "") or ".", FOLDER)
+        folder = figures_folder or os.path.join(getattr(kernel_manager, "connection_dir", "") or ".", schema.FOLDER)
         self.figures = FiguresReader(folder)
         self.sample_every = sample_every
         self.history: dict[str, deque] = {}
         self._history_len = max(2, int(history_seconds / sample_every))
 
-    async def collect(self) -> dict[str, Any]:
+    async def collect(self) -> schema.KernelsReply:
         started = time.perf_counter()
         kernel_ids = list(self.kernel_manager.list_kernel_ids())
         sessions = {s["kernel"]["id"]: s for s in await self.session_manager.list_sessions() if s.get("kernel")}
@@ -132,8 +131,8 @@ class Collector:
         per_kernel, other, by_kernels = join_processes(devices, local)
         for k in kernels:
             held = per_kernel.get(k["id"], {})
-            nvml_gpu = [{"index": d.index, "device": None, "name": d.name, "used": held[d.index], "total": d.total,
-                         "source": "nvml"} for d in devices if d.index in held]
+            nvml_gpu = [schema.Gpu(index=d.index, device=None, name=d.name, used=held[d.index], total=d.total,
+                                   allocated=None, source="nvml") for d in devices if d.index in held]
             k["gpu"] = nvml_gpu + _own_gpu(k["vram_magic"], devices, nvml_gpu)
         notes += namespace_notes(devices, foreign_pids(devices), kernels)
         for k in kernels:
@@ -143,20 +142,20 @@ class Collector:
         self._record(kernels)
         self.figures.remove_stale(files, set(kernel_ids), procs.alive)
         kernels.sort(key=lambda k: (-sum(g["used"] for g in k["gpu"]), -(k["rss"] or 0), k.get("path") or ""))
-        return {
-            "kernels": kernels,
-            "devices": [{"index": d.index, "name": d.name, "uuid": d.uuid, "total": d.total, "used": d.used,
-                         "free": d.free, "mig": d.mig, "processes": len(d.processes),
-                         "kernels": by_kernels.get(d.index, 0), "other": other.get(d.index)} for d in devices],
-            "notes": notes,
-            "categories": [{"name": c, "label": LABELS.get(c, c), "color": COLORS.get(c, "#AAAAAA")}
-                           for c in CATEGORIES],
-            "server": {"pid": os.getpid(), "time": time.time()},
-            "took_ms": round((time.perf_counter() - started) * 1000, 2),
-        }
+        return schema.KernelsReply(
+            kernels=kernels,
+            devices=[schema.Device(index=d.index, name=d.name, uuid=d.uuid, total=d.total, used=d.used, free=d.free,
+                                   mig=d.mig, processes=len(d.processes), kernels=by_kernels.get(d.index, 0),
+                                   other=other.get(d.index)) for d in devices],
+            notes=notes,
+            categories=[schema.Category(name=c, label=LABELS.get(c, c), color=COLORS.get(c, "#AAAAAA"))
+                        for c in CATEGORIES],
+            server=schema.Server(pid=os.getpid(), time=time.time()),
+            took_ms=round((time.perf_counter() - started) * 1000, 2),
+        )
 
     def _kernel(self, kid: str, session: Mapping[str, Any] | None, entry: KernelPid | None,
-                files: list[dict[str, Any]]) -> dict[str, Any]:
+                files: list[dict[str, Any]]) -> schema.Kernel:
         try:
             model = self.kernel_manager.kernel_model(kid)
         except Exception:
@@ -167,25 +166,25 @@ class Collector:
         if pid_local is None and entry is not None and entry.usage:
             rss = entry.usage.get("kernel_memory")
         figures = self.figures.match(files, kid, (reported, pid_local))
-        return {
-            "id": kid,
-            "name": model.get("name"),
-            "execution_state": model.get("execution_state"),
-            "last_activity": _json_time(model.get("last_activity")),
-            "session": session.get("id") if session else None,
-            "path": session.get("path") if session else None,
-            "type": session.get("type") if session else None,
-            "pid": reported if reported is not None else launched,
-            "pid_source": "kernel" if reported is not None else ("provisioner" if launched is not None else None),
-            "local_pid": pid_local,
-            "nspid": list(chain) if len(chain) > 1 else None,
-            "rss": rss,
-            "gpu": [],
-            "vram_magic": {k: v for k, v in figures.items() if not k.startswith("_")} if figures else None,
-            "history": [],
-        }
+        return schema.Kernel(
+            id=kid,
+            name=model.get("name"),
+            execution_state=model.get("execution_state"),
+            last_activity=_json_time(model.get("last_activity")),
+            session=session.get("id") if session else None,
+            path=session.get("path") if session else None,
+            type=session.get("type") if session else None,
+            pid=reported if reported is not None else launched,
+            pid_source="kernel" if reported is not None else ("provisioner" if launched is not None else None),
+            local_pid=pid_local,
+            nspid=list(chain) if len(chain) > 1 else None,
+            rss=rss,
+            gpu=[],
+            vram_magic=schema.Figures(**{k: figures[k] for k in schema.fields(schema.Figures)}) if figures else None,
+            history=[],
+        )
 
-    def _record(self, kernels: list[dict[str, Any]]) -> None:
+    def _record(self, kernels: list[schema.Kernel]) -> None:
         now = time.time()
         for k in kernels:
             h = self.history.setdefault(k["id"], deque(maxlen=self._history_len))

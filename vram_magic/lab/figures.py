@@ -4,8 +4,9 @@ While ``%load_ext vram_magic`` is active in a kernel started by a Jupyter server
 ``<folder of its connection file>/vram-magic/<pid>.json`` after each cell where a figure changed (and after each
 measured cell's report):
 allocated and reserved bytes per CUDA device that has a context, and the last measured cell's categories.
-The server's route reads these files by kernel id or pid (:class:`FiguresReader`); unloading the extension
-removes the file. Writing one costs a fraction of a millisecond; nothing here creates a CUDA context.
+The file's shape is :class:`.schema.Figures`. The server's route reads these files by kernel id or pid
+(:class:`FiguresReader`), each checked against that shape; unloading the extension removes the file. Writing one
+costs a fraction of a millisecond; nothing here creates a CUDA context.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import os
 import re
 import sys
 import time
-from collections.abc import Mapping
 from typing import Any
 
-FORMAT = 1
-FOLDER = "vram-magic"
+from .schema import FOLDER, FORMAT, Figures, LastCell, OwnDevice, fields, problems
+
 _KERNEL_FILE = re.compile(r"kernel-(.+)\.json$")
 
 
@@ -41,19 +41,14 @@ def _connection_file(shell: Any) -> str | None:
         return None
 
 
-def _report_part(report: Any) -> dict[str, Any] | None:
+def last_cell(report: Any) -> LastCell | None:
+    """The fields :class:`.schema.LastCell` names of the report as a rank's payload holds it, without detail rows."""
     if report is None:
         return None
-    return {
-        "cell": report.cell,
-        "device": report.device,
-        "after": {c: int(report.after[c]) for c in report.after},
-        "peak": {c: int(report.peak[c]) for c in report.peak},
-        "total": int(report.after.total),
-        "peak_total": int(report.peak.total),
-        "failed": bool(report.error),
-        "oom": bool(report.oom),
-    }
+    from ..ranks.payload import report_to_dict  # a report exists, so torch is imported already
+
+    whole = report_to_dict(report, detail=False)
+    return LastCell(**{k: whole[k] for k in fields(LastCell)})
 
 
 class FiguresWriter:
@@ -79,7 +74,7 @@ class FiguresWriter:
     def _on_report(self, report: Any) -> None:
         self.write()
 
-    def cuda_devices(self) -> list[dict[str, Any]]:
+    def cuda_devices(self) -> list[OwnDevice]:
         """Allocated and reserved bytes of each CUDA device with a context (none before CUDA is initialised)."""
         if "torch" not in sys.modules:
             return []
@@ -97,21 +92,14 @@ class FiguresWriter:
                 props = torch.cuda.get_device_properties(index)
                 self._properties[index] = (int(props.total_memory), str(getattr(props, "uuid", "") or ""))
             total, uuid = self._properties[index]
-            out.append({"device": f"cuda:{index}", "uuid": uuid, "allocated": int(torch.cuda.memory_allocated(index)),
-                        "reserved": int(torch.cuda.memory_reserved(index)), "total": total})
+            out.append(OwnDevice(device=f"cuda:{index}", uuid=uuid, allocated=int(torch.cuda.memory_allocated(index)),
+                                 reserved=int(torch.cuda.memory_reserved(index)), total=total))
         return out
 
-    def figures(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "pid": os.getpid(),
-            "kernel_id": self.kernel_id,
-            "notebook": os.environ.get("JPY_SESSION_NAME"),
-            "time": time.time(),
-            "devices": self.cuda_devices(),
-            "last_cell": _report_part(self.session.last),
-            "measured_cells": len(self.session.history),
-        }
+    def figures(self) -> Figures:
+        return Figures(format=FORMAT, pid=os.getpid(), kernel_id=self.kernel_id,
+                       notebook=os.environ.get("JPY_SESSION_NAME"), time=time.time(), devices=self.cuda_devices(),
+                       last_cell=last_cell(self.session.last), measured_cells=len(self.session.history))
 
     def write(self) -> None:
         """Replace the file in one step (a reader never sees half of it) when a figure changed (``time`` is when
@@ -169,7 +157,8 @@ def start_figures(shell: Any, session: Any, folder: str | None = None) -> Figure
 
 
 class FiguresReader:
-    """The figures files in one folder, parsed again only when a file changed (size or modification time)."""
+    """The figures files in one folder, parsed again only when a file changed (size or modification time); a file
+    that is not a :class:`.schema.Figures` of this format is left out."""
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
@@ -205,17 +194,17 @@ class FiguresReader:
     def match(self, figures: list[dict[str, Any]], kernel_id: str, pids: tuple[int | None, ...]
               ) -> dict[str, Any] | None:
         """The file of kernel ``kernel_id`` (by the id in it, else by one of its pids), newest first."""
-        by_id = [f for f in figures if f.get("kernel_id") == kernel_id]
+        by_id = [f for f in figures if f["kernel_id"] == kernel_id]
         if not by_id:
             wanted = {p for p in pids if p}
-            by_id = [f for f in figures if f.get("pid") in wanted and not f.get("kernel_id")]
-        return max(by_id, key=lambda f: f.get("time", 0), default=None)
+            by_id = [f for f in figures if f["pid"] in wanted and not f["kernel_id"]]
+        return max(by_id, key=lambda f: f["time"], default=None)
 
     def remove_stale(self, figures: list[dict[str, Any]], kernel_ids: set[str], is_alive: Any) -> None:
         """Files of kernels that are gone (not this server's, and their pid is no process here) are deleted:
         a kernel killed without unloading the extension leaves its file behind."""
         for f in figures:
-            if f.get("kernel_id") in kernel_ids or is_alive(f.get("pid", 0)):
+            if f["kernel_id"] in kernel_ids or is_alive(f["pid"]):
                 continue
             try:
                 os.remove(f["_file"])
@@ -229,6 +218,7 @@ def _load(path: str) -> dict[str, Any] | None:
             data = json.load(f)
     except (OSError, ValueError):
         return None
-    if not isinstance(data, Mapping) or data.get("format") != FORMAT or not isinstance(data.get("pid"), int):
+    # another version's file (its format), or one that is not what this format says: not read
+    if not isinstance(data, dict) or data.get("format") != FORMAT or problems(data, Figures):
         return None
-    return dict(data)
+    return data

@@ -12,8 +12,7 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 
 from .collect import Collector
-
-ROUTE = ("vram-magic", "kernels")
+from .schema import ROUTE
 
 
 class KernelsHandler(APIHandler):

@@ -19,9 +19,10 @@ from ..report import Advice, CellReport, OomInfo
 FORMAT = "vram_magic.rank/1"
 
 
-def breakdown_to_dict(b: Breakdown) -> dict[str, Any]:
+def breakdown_to_dict(b: Breakdown, detail: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {c: int(b[c]) for c in CATEGORIES}
-    out["detail"] = [[c, label, int(n)] for c, label, n in b.detail]
+    if detail:
+        out["detail"] = [[c, label, int(n)] for c, label, n in b.detail]
     return out
 
 
@@ -30,15 +31,16 @@ def breakdown_from_dict(d: Mapping[str, Any]) -> Breakdown:
                      detail=tuple((str(c), str(label), int(n)) for c, label, n in d.get("detail", ())))
 
 
-def report_to_dict(report: CellReport) -> dict[str, Any]:
-    """Every field of the report but its trace, as JSON-ready values."""
+def report_to_dict(report: CellReport, *, detail: bool = True) -> dict[str, Any]:
+    """Every field of the report but its trace, as JSON-ready values (the breakdowns without their detail rows
+    where ``detail`` is false: what JupyterLab's figures file keeps of a report)."""
     oom = report.oom
     return {
         "device": report.device,
-        "before": breakdown_to_dict(report.before),
-        "after": breakdown_to_dict(report.after),
-        "peak": breakdown_to_dict(report.peak),
-        "delta": breakdown_to_dict(report.delta),
+        "before": breakdown_to_dict(report.before, detail),
+        "after": breakdown_to_dict(report.after, detail),
+        "peak": breakdown_to_dict(report.peak, detail),
+        "delta": breakdown_to_dict(report.delta, detail),
         "cell": report.cell,
         "previous": report.previous,
         "wall_time": report.wall_time,
@@ -48,7 +50,7 @@ def report_to_dict(report: CellReport) -> dict[str, Any]:
         "error": report.error,
         "oom": None if oom is None else {
             "message": oom.message, "requested": oom.requested, "capacity": oom.capacity,
-            "live": breakdown_to_dict(oom.live), "holders": [list(h) for h in oom.holders],
+            "live": breakdown_to_dict(oom.live, detail), "holders": [list(h) for h in oom.holders],
             "site": [list(f) for f in oom.site], "phase": oom.phase},
         "advice": [asdict(a) for a in report.advice],
         "notes": list(report.notes),
