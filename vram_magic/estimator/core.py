@@ -10,6 +10,7 @@ from typing import Any
 from ..breakdown import Breakdown
 from ..trace import alive_after
 from ..units import parse_size
+from .cuda_attention import target_capability
 from .cuda_model import CudaModel, allocator_layout
 from .gpus import GPU, find_gpu
 from .options import Options, optimizer_name, short_dtype
@@ -73,7 +74,7 @@ def rows_at(trace: StepTrace, sizes: dict[int, int], index: int) -> dict[tuple[s
 
 
 def evaluate(request: Request, opts: Options, target: Target, *, model_name: str = "") -> Estimate:
-    trace = trace_step(request, opts)
+    trace = trace_step(request, opts, target_capability(opts.device, target.gpu))
     return from_trace(trace, opts, target, model_name=model_name or request.source.name)
 
 

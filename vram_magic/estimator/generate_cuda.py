@@ -1,20 +1,10 @@
 """What a GPU does differently during ``generate()``, modelled on the fake CPU run.
 
-**Attention.** On the CPU every ``scaled_dot_product_attention`` call runs the CPU flash kernel (no
-``L × L`` scores). On CUDA, PyTorch picks a kernel by its rules (``aten/src/ATen/native/transformers/
-cuda/sdp_utils.cpp``), tried in the order flash, memory-efficient, math:
-
-* flash attention: fp16/bf16, compute capability ≥ 8.0, no ``attn_mask``, equal head dims ≤ 256;
-  grouped-query attention (``enable_gqa``) allowed. Allocates the output and an fp32 log-sum-exp
-  (batch × heads × queries).
-* memory-efficient attention: fp32/fp16 (bf16 from 8.0), capability ≥ 5.0, any mask, head dims a
-  multiple of 8 (4 in fp32); *not* grouped-query attention (key and query heads must agree). A mask is
-  converted to the query's dtype and its last dimension padded to a multiple of 16 (a copy).
-* math: anything else — the ``L × L`` scores, their softmax, a boolean mask as a float tensor, GQA's keys
-  and values repeated. It is run as PyTorch's own ``_scaled_dot_product_attention_math`` on fake tensors.
-
-So a padding mask moves a GPU from flash to memory-efficient attention, and a grouped-query model on a T4
-(no flash before 8.0, memory-efficient refuses GQA) gets the math kernel whenever transformers passes
+**Attention.** Each ``scaled_dot_product_attention`` call runs as the CUDA kernel PyTorch would pick and
+allocates what it allocates: one model for every workload, in :mod:`.cuda_attention` (the kernel choice by the
+installed release's ``sdp_utils.cpp``; flash, memory-efficient, cuDNN and math attention). So a padding mask
+moves an A100 from flash to memory-efficient attention, and a grouped-query model on a T4 (no flash before 8.0,
+memory-efficient attention refuses GQA up to 2.15) gets the math kernel whenever transformers passes
 ``enable_gqa`` (no mask): at long prompts its scores dominate the prefill.
 
 **The caching allocator and a growing cache.** A dynamic cache asks for one token more per layer every step,
@@ -35,89 +25,24 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch.nn import functional as F
-
 from ..engine.caching_allocator import CachingAllocator
-from .torch_private import pop_mode as _pop_mode
-from .torch_private import push_mode as _push_mode
+from .cuda_attention import DEFAULT_CAPABILITY, CudaAttention, kernel_note, sdpa_kernel
 from .tracer import StepTracer
-
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
-_MATH = torch.ops.aten._scaled_dot_product_attention_math.default
-#: compute capability assumed when no GPU is named (Ampere, as an A100)
-DEFAULT_CAPABILITY = (8, 0)
-
-
-def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, enable_gqa: bool,
-                capability: tuple[int, int]) -> str:
-    """``"flash"``, ``"efficient"`` or ``"math"``: what PyTorch's CUDA dispatcher picks for these arguments."""
-    dt = q.dtype
-    half = dt in (torch.float16, torch.bfloat16)
-    same_dims = q.shape[-1] == k.shape[-1] == v.shape[-1]
-    gqa = q.shape[-3] != k.shape[-3]
-    if (half and capability >= (8, 0) and mask is None and same_dims and q.shape[-1] <= 256
-            and (not gqa or enable_gqa)):
-        return "flash"
-    bf16_ok = dt != torch.bfloat16 or capability >= (8, 0)
-    align = 8 if half else 4
-    if (dt in (torch.float32, torch.float16, torch.bfloat16) and bf16_ok and capability >= (5, 0) and not gqa
-            and q.shape[-1] == k.shape[-1] and q.shape[-1] % align == 0 and v.shape[-1] % align == 0):
-        return "efficient"
-    return "math"
 
 
 class GenerateTracer(StepTracer):
     """The estimator's tracer; with ``cuda`` (a compute capability) each SDPA call allocates what the CUDA
-    kernel PyTorch would pick allocates."""
+    kernel PyTorch would pick allocates (:class:`.cuda_attention.CudaAttention`)."""
 
     def __init__(self, registry: Any, names: dict[int, str], cuda: tuple[int, int] | None = None) -> None:
         super().__init__(registry, names)
         self.capability = cuda
-        self.kernels: Counter[str] = Counter()
+        if cuda is not None:
+            self.attention = CudaAttention(cuda)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _SDPA and self.capability is not None:
-            return self._sdpa(args, kwargs or {})
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-    def _sdpa(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
-        q, k, v = args[:3]
-        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-        dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
-        causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
-        scale, gqa = kwargs.get("scale"), bool(kwargs.get("enable_gqa", False))
-        kernel = sdpa_kernel(q, k, v, mask, gqa, self.capability or DEFAULT_CAPABILITY)
-        self.kernels[kernel] += 1
-        _push_mode(self)
-        try:
-            if kernel == "math":
-                return _MATH(q, k, v, mask, dropout, causal, None, scale=scale, enable_gqa=gqa)[0]
-            if mask is not None and mask.dtype == torch.bool:  # convert_boolean_attn_mask
-                mask = torch.where(mask, torch.zeros((), dtype=q.dtype), float("-inf"))
-            if kernel == "efficient" and mask is not None and mask.shape[-1] % 16:
-                pad = 16 - mask.shape[-1] % 16
-                mask = F.pad(mask, (0, pad))[..., : mask.shape[-1]]
-            out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
-            if kernel == "flash":
-                lse = torch.empty(q.shape[:-1], dtype=torch.float32)
-                del lse
-            del mask
-            return out
-        finally:
-            _pop_mode()
-
-
-def kernel_note(kernels: Mapping[str, int], capability: tuple[int, int], named: bool) -> str:
-    if not kernels:
-        return ""
-    counts = ", ".join(f"{kernel} × {n}" for kernel, n in sorted(kernels.items()))
-    where = f"compute capability {capability[0]}.{capability[1]}" + ("" if named else " assumed (pass gpu=)")
-    text = f"SDPA on CUDA modelled by PyTorch's kernel choice ({where}): {counts}"
-    if kernels.get("math"):
-        text += ("; the math kernel materializes the L × L attention scores (no flash attention before compute "
-                 "capability 8.0, and memory-efficient attention refuses grouped-query attention)")
-    return text
+    @property
+    def kernels(self) -> Counter[str]:
+        return self.attention.kernels if self.attention is not None else Counter()
 
 
 @dataclass

@@ -19,6 +19,7 @@ from torch import nn
 from ..engine.phases import PHASE_CATEGORY, Phase, phase_category
 from ..engine.registry import LiveStorages
 from .adapt import adapt
+from .cuda_attention import CudaAttention, CudaKernelMode
 from .errors import EstimateError, failure_message
 from .fake import (
     ModelSource,
@@ -122,7 +123,9 @@ def checkpoint_units(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def trace_step(request: Request, opts: Options) -> StepTrace:
+def trace_step(request: Request, opts: Options, sdpa: tuple[tuple[int, int], bool] | None = None) -> StepTrace:
+    """The fake run; ``sdpa``: ``(compute capability, whether the GPU was named)`` to run attention as the CUDA
+    kernels do (:func:`.cuda_attention.target_capability`), ``None`` to keep the CPU's."""
     import logging
     import time
 
@@ -134,15 +137,17 @@ def trace_step(request: Request, opts: Options) -> StepTrace:
     try:
         with warnings.catch_warnings(), estimating():
             warnings.simplefilter("ignore")
-            return _trace(request, opts, mode, t0)
+            return _trace(request, opts, mode, t0, sdpa)
     finally:
         log.setLevel(level)
 
 
-def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float) -> StepTrace:
+def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float, sdpa: Any) -> StepTrace:
     step = _FakeStep(request, opts, mode)
     step.build()
     step.prepare()
+    if sdpa is not None:
+        step.tracer.attention = CudaAttention(*sdpa)
     step.run()
     return step.result(t0)
 
@@ -283,7 +288,8 @@ class _FakeStep:
         steps = max(opts.steps, 3) if scripted and opts.steps > 1 else opts.steps
         self.amp: Any = torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else contextlib.nullcontext()
         try:
-            with self.mode, tracer, _compiled_step(bool(self.compiled), tracer), not_tracing():
+            with self.mode, tracer, _compiled_step(bool(self.compiled), tracer), not_tracing(), \
+                    _attention_mode(tracer, bool(self.compiled)):
                 for step in range(steps):
                     last = step == steps - 1
                     if last:
@@ -361,6 +367,10 @@ class _FakeStep:
 
         opts, tracer, owner = self.opts, self.tracer, self.owner
         sizes, module = _label_storages(tracer, owner, self.names, self.model)
+        if tracer.attention is not None:
+            note = tracer.attention.note()
+            if note:
+                self.notes.append(note)
         step_flops = [now - before for now, before in zip(tracer.flops, self.last_flops or [0] * len(tracer.flops))]
         scale = opts.accumulate / self.n_micro if opts.accumulate > 1 else 1.0
         flops = {
@@ -442,6 +452,14 @@ def _compiled_step(compiled: bool, tracer: StepTracer) -> Any:
             yield
     finally:
         ACTIVE.remove(tracer)
+
+
+def _attention_mode(tracer: StepTracer, compiled: bool) -> Any:
+    """SDPA, dropout and RMSNorm calls caught before autograd splits them into the CPU's kernels (not in compiled
+    models: TorchDynamo would trace the mode)."""
+    if tracer.attention is None or compiled:
+        return contextlib.nullcontext()
+    return CudaKernelMode(tracer.attention)
 
 
 def _claim_state(optimizer: torch.optim.Optimizer, claim: Callable[..., int | None], host_scalars: set[int]) -> None:

@@ -20,7 +20,14 @@ from ..engine.registry import Entry, LiveStorages
 from ..engine.scratch_ops import gemm_copies
 from ..engine.torch_private import never_compiled
 from ..engine.tracker import Tracker
-from .torch_private import DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException
+from .cuda_attention import BACKWARD_OPS, SDPA, CudaAttention, call_with
+from .torch_private import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedOperatorException,
+    pop_mode,
+    push_mode,
+)
 from .values import answer, propagate
 
 # The stages of a traced step (engine/phases.py holds every phase), under the names they always had here
@@ -33,7 +40,8 @@ _DEVICE = torch.ops.prim.device.default
 _CONV = torch.ops.aten.convolution.default
 _CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_dot_product_flash_attention_for_cpu",
-                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"})
+                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                       "_scaled_dot_product_cudnn_attention"})
 _RNN = torch.ops.aten.mkldnn_rnn_layer.default
 _RNN_BACKWARD = torch.ops.aten.mkldnn_rnn_layer_backward.default
 _MM_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
@@ -134,6 +142,9 @@ class StepTracer(Tracker):
         self.copies: list[tuple[int, int]] = []  # (events so far, bytes) of operand copies inside CPU GEMMs
         self.gemms: list[tuple[int, Any, Any]] = []  # (events so far, op, strided argument specs): half GEMMs
         self.matmul = False  # cuBLAS would be used (and allocate its workspace) on CUDA
+        # set for a CUDA estimate: SDPA runs as the CUDA kernel PyTorch would pick (cuda_attention.py)
+        self.attention: CudaAttention | None = None
+        self.scratching = False  # set while a CUDA attention backward runs with its kernel's scratch alive
 
     def _reads_input(self, args: Any, kwargs: Any) -> bool:
         for a in list(args) + list((kwargs or {}).values()):
@@ -205,7 +216,37 @@ class StepTracer(Tracker):
                 if isinstance(o, torch.Tensor):
                     self._see_fake(o, func)
 
+    # --- SDPA as the CUDA kernel runs it --------------------------------------------------------------------
+    def _cuda_sdpa(self, args: Any, kwargs: Any) -> Any:
+        """The op reached this mode whole (under ``inference_mode``): the model's ops, each seen by this mode."""
+        assert self.attention is not None
+        push_mode(self)
+        try:
+            return call_with(self.attention, args, kwargs or {})
+        finally:
+            pop_mode()
+
+    def _with_scratch(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """A CUDA attention backward op, with the buffers its kernel allocates for itself alive while it runs."""
+        assert self.attention is not None
+        push_mode(self)
+        try:
+            scratch = [torch.empty(shape, dtype=dtype) for shape, dtype in self.attention.backward_scratch(func, args)]
+        finally:
+            pop_mode()
+        self.scratching = True
+        try:
+            return self.__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self.scratching = False
+            del scratch
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.attention is not None and not self.compiling:
+            if func is SDPA:
+                return self._cuda_sdpa(args, kwargs)
+            if func in BACKWARD_OPS and not self.scratching:
+                return self._with_scratch(func, types, args, kwargs)
         if self.compiling:
             return func(*args, **(kwargs or {}))
         if func is _DEVICE:
