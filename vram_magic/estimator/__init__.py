@@ -101,9 +101,9 @@ def estimate(
                                 cache_implementation=cache_implementation, num_beams=num_beams, what_if=what_if,
                                 max_seq=max_seq, max_batch=max_batch, progress=progress)
         settings = target.cuda.allocator
-        if device == "cuda" and not settings.is_default:  # the decoding loop's replay keeps the default rules
-            est = replace(est, notes=(*est.notes, settings.note("not modelled for generate(): the estimate used the "
-                                                                "default rules, not those")))
+        if device == "cuda" and settings.expandable_segments:  # the decoding loop's replay keeps the default rules
+            est = replace(est, notes=(*est.notes, settings.note("not modelled for generate()'s decoding loop: its "
+                                                                "replay used the default rules, not those")))
         return est
     # --- a training or inference step ------------------------------------------------------------------------
     opts = make_options(optimizer=optimizer, inference=inference, dtype=dtype, amp=amp, master_weights=master_weights,

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.alloc_conf import DEFAULT_SETTINGS, AllocatorSettings
 from ..engine.caching_allocator import CachingAllocator
 from .cuda_attention import DEFAULT_CAPABILITY, CudaAttention, kernel_note, sdpa_kernel
 from .tracer import StepTracer
@@ -181,7 +182,8 @@ def _loop_template(events: Sequence[int], sizes: Mapping[int, int], bounds: tupl
 def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapping[int, int],
                       bounds: tuple[int, int, int, int, int, int], steps: int, first: int, cached: int, *,
                       slot: Mapping[int, str], replaced: Mapping[int, int], token_bytes: Mapping[int, int],
-                      persistent: Iterable[int] = ()) -> LoopReplay | None:
+                      persistent: Iterable[int] = (), settings: AllocatorSettings = DEFAULT_SETTINGS
+                      ) -> LoopReplay | None:
     """The whole loop replayed through the caching allocator (:class:`PinnedAllocator`): the trace up to the jump,
     then steps ``first`` .. ``steps`` made from the traced last step, each allocation at the size it has at that
     step (a cache tensor of ``b`` bytes per token holds ``min(cached + step, its length in the last step)``
@@ -192,8 +194,9 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
     ``cached``: tokens in the cache after the prefill; ``slot``: cache storages by slot (``layers[3].keys``);
     ``replaced``: storage the jump made → the one it stands in for; ``token_bytes``: a cache storage's bytes
     per token; ``persistent``: sizes allocated once after the initial storages (cuBLAS workspaces, tagged
-    ``"workspace"``). Transient small-pool allocations (≤ 1 MiB, made and freed within a step) repeat identically
-    and are left out. ``None`` when the steps do not line up."""
+    ``"workspace"``); ``settings``: the allocator's (not expandable segments: their pages are not segments).
+    Transient small-pool allocations (≤ 1 MiB, made and freed within a step) repeat identically and are left out.
+    ``None`` when the steps do not line up."""
     b0, j0, j1, sl, bl, end = bounds
     if not (b0 <= j0 <= j1 <= sl <= bl <= end) or steps < first:
         return None
@@ -211,7 +214,7 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
             return base[p] + (sizes[s] - base[p]) * m // max(steps, 1)
         return sizes[s]
 
-    a = PinnedAllocator()
+    a = PinnedAllocator(settings=settings)
     handles: dict[int, int] = {}
     for s in initial:
         handles[s] = a.malloc(sizes[s], s)

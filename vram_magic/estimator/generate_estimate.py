@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..engine.alloc_conf import DEFAULT_SETTINGS
 from ..units import format_bytes
 from .core import Target, from_trace
 from .generate import GROWTH, KV, MARK, describe, make_spec, trace_generate
@@ -151,7 +152,19 @@ def _allocator_replay(est: Estimate, gen: Generation, trace: StepTrace, facts: d
             "and a segment goes back to the device only when nothing in it is in use)")
     if why:
         note += f"; {why}"
+        if target.cuda.allocator.max_split_size is None:
+            note += "; " + _max_split_hint(replay.stranded[0].segment)
     return est, gen, note
+
+
+def _max_split_hint(segment: int) -> str:
+    """PyTorch's allocator serves no request below ``max_split_size`` from a cached block of that size or more,
+    nor a larger one from a block 20 MiB or more too large: such blocks are not split."""
+    mib = 512
+    while mib > 2 and mib << 20 > segment // 2:
+        mib //= 2
+    return (f"PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:{mib} keeps blocks of {mib} MiB or more from being split "
+            f"(estimate it with alloc_conf='max_split_size_mb:{mib}')")
 
 
 def stranded_reason(stranded: Any, trace: StepTrace, needed: int) -> str:
@@ -188,9 +201,12 @@ def _reserved(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec, opts:
     bounds = tuple(marks[k] for k in keys)
     first = max(s for s in facts["steps"] if s < last) + 1
     cached = facts["cached"]
+    settings = target.cuda.allocator
+    if settings.expandable_segments:  # pages mapped into one segment a pool: what stays pinned is not modelled
+        settings = DEFAULT_SETTINGS
     return unrolled_reserved(trace.initial, trace.events, trace.sizes, bounds, last, first, cached,  # type: ignore[arg-type]
                              slot=facts["slot"], replaced=facts["replaced"], token_bytes=facts["token_bytes"],
-                             persistent=(workspace,))
+                             persistent=(workspace,), settings=settings)
 
 
 def loop_note(facts: dict[str, Any], spec: GenerateSpec) -> str:
