@@ -20,9 +20,12 @@ pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 SKIPPED = tuple(n for n, c in pr.CASES.items() if c.model == "llama" and TORCH_BEFORE_2_6)
 _LLAMA = pytest.mark.skipif(TORCH_BEFORE_2_6, reason="transformers 5 needs PyTorch 2.6 or later")
 WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
-# A collective's buffers are let go of by gloo's worker thread when its work is done, sometimes after the caller went
-# on: a real run may hold a few of them at its peak that the measured run (slower) did not. 0 to 2 seen here.
-LATE_FREES = 4
+# The measurement counts a tensor freed when Python lets go of it; a collective's input is still held by gloo's work
+# until gloo's worker thread is done with it, sometimes after the caller went on: the profiler (in the same run too)
+# then sees a higher peak, by an amount that varies from run to run. The most seen here, as a share of the measured
+# rise: 0 (the MLP, the pipelines), 10 % (the Llama), 20 % (the Llama with sequence parallelism); the bounds leave
+# room for a loaded machine.
+LATE = {"tp-mlp": 0.10, "tp-llama": 0.25, "tp-llama-sp": 0.40}
 
 
 def late(figures: dict) -> int:
@@ -84,9 +87,9 @@ def test_tensor_parallel_mlp_per_rank_by_hand(runs, world: int) -> None:
         assert {k: v for k, v in peak["other"].items() if v > 64} == want["peak_other"]
         # each forward's last all-reduce (before the loss) and backward's all-reduced input gradients: one at a time
         assert f["highest"]["other"]["tensor-parallel all-reduce buffers"] == want["sizes"]["all-reduce"]
-        # the profiler, on a fresh copy of the same steps, sees the same peak to the byte, or that and an
-        # all-reduce's input or two, which gloo's worker thread let go of after the caller went on
-        assert 0 <= late(f) <= LATE_FREES * want["sizes"]["all-reduce"], late(f)
+        # the profiler, on a fresh copy of the same steps, sees the same peak to the byte (or that and what gloo
+        # let go of late, see LATE)
+        assert 0 <= late(f) <= LATE["tp-mlp"] * f["measured_rise"], late(f)
 
 
 # --- tensor parallelism: a transformers Llama -------------------------------------------------------------------------
@@ -124,9 +127,8 @@ def test_tensor_parallel_llama_per_rank(runs, world: int, case: str) -> None:
             # come: two at once
             assert high["other"]["tensor-parallel all-reduce buffers"] == 2 * hidden_state
             assert not any("gather" in k or "scatter" in k for k in high["other"])
-            # the profiler: the same peak, or a few all-reduce inputs more, which gloo's worker thread let go of
-            # after the caller went on (how many varies from run to run, more on a loaded machine)
-            assert 0 <= late(f) <= LATE_FREES * hidden_state, late(f)
+            # the profiler: the same peak, or a few all-reduce inputs more, which gloo let go of late (see LATE)
+            assert 0 <= late(f) <= LATE[case] * f["measured_rise"], late(f)
             continue
         # sequence parallelism: the norms' outputs are sequence shards, all-gathered before attention and MLP
         # (DTensor lays a dim-1 gather out again with a copy, so the gather's own output is a buffer); o and down
@@ -138,11 +140,9 @@ def test_tensor_parallel_llama_per_rank(runs, world: int, case: str) -> None:
         # the embedding's reduce-scattered sequence shard: the first norm's input, kept for backward
         assert high["activations"]["tensor-parallel reduce-scatter output (saved for backward)"] == \
             hidden_state // world
-        # gloo's worker threads let go of a collective's buffers when they are done, sometimes after the caller went
-        # on: the logits' staging buffer beside the logits laid out again, the logits' shard, a few hidden states
-        # (up to 4.5 MiB more, 18 %, in the runs of docs/ranks.md)
-        logits = b * s * v * F32
-        assert 0 <= late(f) <= 2 * logits + LATE_FREES * hidden_state, late(f)
+        # the profiler: the same peak or more, by what gloo let go of late (the logits' staging buffer beside the
+        # logits laid out again, a few hidden states; see LATE)
+        assert 0 <= late(f) <= LATE[case] * f["measured_rise"], late(f)
 
 
 @_LLAMA
@@ -205,9 +205,9 @@ def test_pipeline_stages_per_rank_by_hand(runs, world: int, schedule: str) -> No
             assert after["other"][f"pipeline stage {rank}: outputs kept for the merged output"] == want["outputs"]
             assert high["other"]["pipeline: merged output of the last stage"] == pr.PP_BATCH * pr.WIDTH * F32
         assert not any(k in ("forward intermediates", "unattributed") for k in f["peak_details"]["activations"])
-        # the profiler sees the same peak, but for the few bytes of the stages' pickled shapes (and a send's
-        # tensor, now and then, that gloo's worker thread let go of late)
-        assert 0 <= late(f) <= 1024 + LATE_FREES * pr.PP_BATCH // pr.MICRO_BATCHES * pr.WIDTH * F32, late(f)
+        # the profiler sees the same peak, but for the few bytes of the stages' pickled shapes (and a sent tensor,
+        # now and then, that gloo let go of late)
+        assert 0 <= late(f) <= 1024 + 4 * pr.PP_BATCH // pr.MICRO_BATCHES * pr.WIDTH * F32, late(f)
 
 
 def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe(runs) -> None:
@@ -238,7 +238,7 @@ def test_the_interleaved_schedule_names_each_stage_of_a_rank(runs) -> None:
                 expected[f"pipeline stage {stage}: receive buffers (gradients)"] = m * out
             assert f"pipeline stage {stage}: micro-batch activations" in f["highest"]["activations"]
         assert received == expected
-        assert 0 <= late(f) <= 1024 + LATE_FREES * out, late(f)
+        assert 0 <= late(f) <= 1024 + 4 * out, late(f)
 
 
 def test_a_ranks_cell_names_what_pipeline_stages_hold() -> None:
