@@ -160,7 +160,7 @@ def test_generate_estimate_on_a_gpu():
 
     case = CASES["Llama MHA, long generation (peak at the last step)"]
     major, minor = torch.cuda.get_device_capability()
-    from vram_magic.estimator.gpus import GPU
+    from vram_magic.estimator.target.gpus import GPU
 
     gpu = GPU("this GPU", torch.cuda.get_device_properties(0).total_memory, "", capability=(major, minor))
     est = vram_magic.estimate(case.build().eval(), case.ids(), generate=case.new, device="cuda", gpu=gpu)

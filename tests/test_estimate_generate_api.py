@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import run, skip_module_without_transformers_5
 from generate_zoo import CASES, TupleGPT, llama
+from vram_magic.estimator.generate.cuda import sdpa_kernel
 
 import vram_magic
-from vram_magic.estimator.generate_cuda import sdpa_kernel
 
 skip_module_without_transformers_5()
 
@@ -146,7 +146,7 @@ def test_a_builder_keeps_tied_embeddings_tied(kind):
 
 # --- the longest prompt, the largest batch ------------------------------------------------------------------
 def test_longest_prompt_and_largest_batch_are_self_consistent():
-    from vram_magic.estimator.generate_estimate import evaluate_generate, spec_of
+    from vram_magic.estimator.generate.workload import evaluate_generate, spec_of
 
     model = small_llama()  # estimates hold the model weakly: keep it for the re-runs below
     est = vram_magic.estimate(model, ids(), generate=8, device="cpu", budget="40MiB", max_seq=True, max_batch=True)
@@ -194,9 +194,10 @@ def test_logits_to_keep_what_if_for_a_model_that_computes_all_logits():
 def test_reruns_keep_the_quantized_cache_bits_and_logits_to_keep():
     """A re-run made from an estimate's facts (spec_of) is the estimate's own: a quantized cache's bits and the
     logits_to_keep what-if travel with it, and its what-ifs do not offer it again."""
-    from vram_magic.estimator.generate_estimate import evaluate_generate, spec_of
-    from vram_magic.estimator.generate_search import with_search
-    from vram_magic.estimator.generate_whatif import candidates
+    from vram_magic.estimator.generate.candidates import candidates
+    from vram_magic.estimator.generate.workload import evaluate_generate, spec_of
+
+    from vram_magic.estimator.explore.generate_search import with_search
 
     def offered(est) -> set[str]:  # the what-if rows the estimate's table would re-run
         return {c[0] for c in candidates(est.options, spec_of(est), est.generation)}

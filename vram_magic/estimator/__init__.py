@@ -9,12 +9,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from .core import StepRerun, Target, make_target, search_max
-from .cuda_model import CudaModel
-from .gpus import GPU, GPUS, find_gpu
 from .options import make_options
+from .replay import StepRerun, Target, make_target, search_max
 from .result import Estimate, Strategy
-from .run import EstimateError, Request
+from .step.trace import EstimateError, Request
+from .target.cuda import CudaModel
+from .target.gpus import GPU, GPUS, find_gpu
 
 
 def estimate(
@@ -84,7 +84,7 @@ def estimate(
     """
     # --- generate=: text generation (generate_estimate.py) ---------------------------------------------------
     if generate is not None or cache_implementation is not None or num_beams != 1:
-        from .generate_estimate import check_training_options, estimate_generate
+        from .generate.workload import check_training_options, estimate_generate
 
         if generate is None:
             raise ValueError("cache_implementation and num_beams apply to generate=N (the number of new tokens)")
@@ -103,7 +103,7 @@ def estimate(
     if (max_batch or max_seq) and target.capacity is None:
         raise ValueError("max_batch/max_seq need a capacity: give gpu='A100-80GB' (or another known GPU) or "
                          "budget='24GiB'")
-    from .fake import check_inputs
+    from .tracing.fake import check_inputs
 
     check_inputs(inputs)
     est = StepRerun(Request(model, inputs, loss_fn), target).evaluate(opts)

@@ -203,7 +203,7 @@ def estimate_with_batch(model: Any, inputs: Any, batch: int, kwargs: dict[str, A
     first = estimate(model, inputs, **{**kwargs, "what_if": False, "max_batch": False, "max_seq": False})
     est = first.rerunnable().evaluate(first.options.with_(batch=batch))
     if est.generation is not None:  # generate= (generate_estimate.py)
-        from .generate_estimate import generate_follow_ups
+        from .generate.workload import generate_follow_ups
 
         return generate_follow_ups(est, **asked, progress=kwargs.get("progress"))
     return follow_ups(est, **asked, progress=kwargs.get("progress"))

@@ -141,7 +141,7 @@ class Estimate:
 
     # --- rendering -----------------------------------------------------------------------------------
     def __str__(self) -> str:
-        from .render import estimate_text
+        from .render.step import estimate_text
 
         return estimate_text(self)
 
@@ -149,7 +149,7 @@ class Estimate:
         p.text(str(self))
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        from .render import estimate_html
+        from .render.step import estimate_html
 
         return {"text/plain": str(self), "text/html": estimate_html(self)}
 

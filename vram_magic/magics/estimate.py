@@ -87,7 +87,7 @@ def run_estimate(line: str, ns: dict[str, Any], *, widget: bool = False) -> Esti
     from IPython.display import display
 
     if widget:
-        from ..estimator.render import estimate_html
+        from ..estimator.render.step import estimate_html
 
         try:
             bundle = with_view(str(est), estimate_html(est), widget=True, max_width="56em",

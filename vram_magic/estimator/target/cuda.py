@@ -1,0 +1,126 @@
+"""What a CUDA device adds to the tensors a fake step traces. Pass ``cuda=CudaModel(context=...)`` to
+:func:`vram_magic.estimate` to use your own constants.
+
+Traced (counted on fake tensors): every tensor the step creates, including the ``foreach`` optimizer's
+temporaries, since the estimate builds the optimizer the way CUDA would.
+
+Simulated (``vram_magic.engine.caching_allocator``): PyTorch's caching allocator, rule for rule — 512-byte blocks,
+the small pool's 2 MiB segments, 20 MiB segments for requests of 1–10 MiB and larger ones rounded up to 2 MiB,
+splitting, unsplit remainders, best-fit reuse of cached blocks. The step's allocations replayed through it give
+each tensor its block size (what ``memory_allocated`` counts) and the peak of what the allocator reserves
+(``max_memory_reserved``), in place of a flat margin.
+
+Modelled (constants): cuBLAS workspaces, one per thread that runs matmuls (the forward thread and autograd's
+backward thread), whose size PyTorch chooses by the GPU (``aten/src/ATen/cuda/CublasHandlePool.cpp``: 32 MiB on
+compute capability 9.x, 10.x, 11.x and 12.x, else ``:4096:2:16:8`` = 8.125 MiB; hipBLASLt on ROCm: 32 MiB, 128 MiB on
+MI300-class gfx94x); a cuDNN workspace during each convolution (an upper bound: cuDNN's choice depends on the
+algorithm); and the CUDA context, which lives outside PyTorch's allocator (``nvidia-smi`` shows it,
+``torch.cuda.memory_allocated`` does not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ...engine.caching_allocator import CachingAllocator
+
+if TYPE_CHECKING:
+    from .gpus import GPU
+
+MiB = 1024**2
+
+#: cuBLAS workspace per handle: PyTorch's default ``:4096:2:16:8`` (8.125 MiB)
+CUBLAS_WORKSPACE = 4096 * 1024 * 2 + 16 * 1024 * 8
+#: ... and 32 MiB (``:4096:8``) on compute capability 9.x (Hopper), 10.x, 11.x and 12.x (Blackwell)
+CUBLAS_WORKSPACE_LARGE = 4096 * 8 * 1024
+CUBLAS_LARGE_MAJORS = (9, 10, 11, 12)
+#: hipBLASLt's workspace on ROCm: 32 MiB, 128 MiB on gfx94x/gfx95x (MI300 class)
+HIPBLAS_WORKSPACE, HIPBLAS_WORKSPACE_MI300 = 32 * MiB, 128 * MiB
+#: cuDNN workspace while a convolution runs (an upper bound; the algorithms PyTorch picks usually stay under it).
+CUDNN_WORKSPACE = 64 * MiB
+#: CUDA context, cuBLAS/cuDNN kernels and handles outside the caching allocator, with lazy module loading.
+CUDA_CONTEXT = 500 * MiB
+
+
+def cublas_workspace(gpu: GPU | None) -> tuple[int, str]:
+    """The cuBLAS workspace one handle allocates on ``gpu`` and why; with no GPU named, PyTorch's default for
+    every GPU before Hopper (what Colab's T4 and the A100 use)."""
+    if gpu is None:
+        return CUBLAS_WORKSPACE, ("8.125 MiB per cuBLAS handle assumed (PyTorch's default before compute capability "
+                                  "9.0; 32 MiB on Hopper and Blackwell): pass gpu= to choose by the GPU")
+    if gpu.capability is None:
+        size = HIPBLAS_WORKSPACE_MI300 if gpu.arch == "cdna3" else HIPBLAS_WORKSPACE
+        return size, f"hipBLASLt workspace of {size // MiB} MiB per handle on {gpu.name}"
+    major, minor = gpu.capability
+    if major in CUBLAS_LARGE_MAJORS:
+        return CUBLAS_WORKSPACE_LARGE, f"32 MiB per cuBLAS handle on {gpu.name} (compute capability {major}.{minor})"
+    return CUBLAS_WORKSPACE, f"8.125 MiB per cuBLAS handle on {gpu.name} (compute capability {major}.{minor})"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A step replayed through the caching allocator: ``blocks`` (serial → block size), and the peaks of
+    what it allocated and reserved."""
+
+    blocks: dict[int, int]
+    peak_allocated: int
+    peak_reserved: int
+
+
+def allocator_layout(initial: Iterable[int], events: Sequence[int], sizes: Mapping[int, int], *,
+                     persistent: Iterable[int] = (), spikes: Mapping[int, int] | None = None,
+                     window: tuple[int, int, int] = (0, -1, 0)) -> Layout:
+    """Replay a traced step (``initial`` serials alive at the start, then ``events``: +serial allocated,
+    -serial freed) through :class:`CachingAllocator`. ``persistent``: sizes allocated once after the initial
+    storages and kept (the cuBLAS workspaces, made by the first matmul). ``spikes``: bytes allocated and freed
+    right after that many events (kernel workspaces); ``window = (first, last, bytes)``: bytes alive while
+    ``first <= events applied <= last`` (collective buffers)."""
+    a = CachingAllocator()
+    handles: dict[int, int] = {}
+    blocks: dict[int, int] = {}
+
+    def alloc(serial: int) -> None:
+        h = a.malloc(sizes[serial])
+        handles[serial] = h
+        blocks[serial] = a.block_size(h)
+
+    for s in initial:
+        alloc(s)
+    for n in persistent:
+        a.malloc(n)
+    spikes = spikes or {}
+    lo, hi, extra = window
+    held = a.malloc(extra) if extra and lo == 0 <= hi else 0
+    for k, ev in enumerate(events, 1):
+        if ev > 0:
+            alloc(ev)
+        else:
+            a.free(handles.pop(-ev, 0))
+        if extra and k == lo:
+            held = a.malloc(extra)
+        n = spikes.get(k, 0)
+        if n:
+            a.free(a.malloc(n))
+        if extra and k == hi:
+            a.free(held)
+            held = 0
+    return Layout(blocks, a.peak_allocated, a.peak_reserved)
+
+
+@dataclass(frozen=True)
+class CudaModel:
+    cublas_workspace: int | None = None  # None: chosen by the GPU (see cublas_workspace)
+    cudnn_workspace: int = CUDNN_WORKSPACE
+    context: int = CUDA_CONTEXT
+
+    def workspace(self, gpu: GPU | None) -> tuple[int, str]:
+        """Bytes of one cuBLAS handle's workspace, and a note saying where the figure comes from."""
+        if self.cublas_workspace is not None:
+            return self.cublas_workspace, ""
+        return cublas_workspace(gpu)
+
+
+__all__ = ["CUBLAS_WORKSPACE", "CUBLAS_WORKSPACE_LARGE", "CUDA_CONTEXT", "CUDNN_WORKSPACE", "CudaModel", "Layout",
+           "allocator_layout", "cublas_workspace"]

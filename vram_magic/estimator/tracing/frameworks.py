@@ -1,0 +1,166 @@
+"""What libraries of models do differently on fake tensors, and their own ways to checkpoint.
+
+* transformers treats a fake tensor as *tracing* (``is_tracing``): it then keeps masks a real run drops and
+  runs another attention graph. While a step is estimated, a fake tensor whose values are known (see
+  ``values.py``) is not tracing: the model reads the values, as it would in the real run.
+* ``module.to(dtype)`` on fake parameters fails in PyTorch (``swap_tensors`` refuses them), and PEFT moves
+  every adapter with ``.to`` when it builds one: on fake modules the conversion replaces the tensors instead
+  (tied tensors stay tied).
+* Activation checkpointing runs through the model's own switch when it has one: transformers'
+  ``activation_checkpointing_enable`` / ``gradient_checkpointing_enable`` (which also stop the KV cache from
+  being written twice), diffusers' ``enable_gradient_checkpointing``. Otherwise each block is wrapped in
+  non-reentrant ``torch.utils.checkpoint``, with caching switched off the way transformers does it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...engine.torch_private import MODULE_APPLY, set_module_apply
+from .known_values import ATTR
+
+# keyword arguments that carry or ask for a key/value cache, in the spellings models use
+_CACHE_KWARGS = ("past_key_value", "past_key_values", "layer_past", "cache", "past")
+
+
+@contextlib.contextmanager
+def estimating() -> Iterator[None]:
+    """While a model is built and estimated: fake modules convert with ``.to``."""
+    with _fake_modules_convert():
+        yield
+
+
+@contextlib.contextmanager
+def not_tracing() -> Iterator[None]:
+    """While the step runs: fake tensors with known values are not *tracing* for transformers (entered after
+    the model is built, so a builder that imports transformers itself is covered)."""
+    utils = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(utils, "is_fake_tensor", None) if utils is not None else None
+    if original is None:
+        yield
+        return
+
+    def is_fake_tensor(x: Any) -> bool:
+        return bool(original(x)) and getattr(x, ATTR, None) is None
+
+    utils.is_fake_tensor = is_fake_tensor
+    try:
+        yield
+    finally:
+        utils.is_fake_tensor = original
+
+
+_module_apply = MODULE_APPLY
+
+
+def _apply(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+    from ..torch_private import FakeTensor
+
+    tensors = [t for m in (self.modules() if recurse else (self,)) for table in (m._parameters, m._buffers)
+               for t in table.values() if t is not None]
+    if not any(isinstance(t, FakeTensor) for t in tensors):
+        return _module_apply(self, fn, recurse)
+    memo: dict[int, torch.Tensor] = {}
+    for m in self.modules() if recurse else (self,):
+        for table in (m._parameters, m._buffers):
+            for name, t in list(table.items()):
+                if t is None:
+                    continue
+                new = memo.get(id(t))
+                if new is None:
+                    with torch.no_grad():
+                        made = fn(t)
+                    if made is t:
+                        new = t
+                    elif isinstance(t, nn.Parameter):
+                        new = nn.Parameter(made, requires_grad=t.requires_grad)
+                    else:
+                        new = made
+                    memo[id(t)] = new
+                table[name] = new
+    return self
+
+
+@contextlib.contextmanager
+def _fake_modules_convert() -> Iterator[None]:
+    set_module_apply(_apply)
+    try:
+        yield
+    finally:
+        set_module_apply(_module_apply)
+
+
+def enable_checkpointing(model: nn.Module, units: list[nn.Module]) -> str:
+    """Switch activation checkpointing on in the (fake) model; say how."""
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        switch = _own(model, name)
+        if switch is not None and getattr(_base(model), "supports_gradient_checkpointing", True):
+            try:
+                if name == "gradient_checkpointing_enable":
+                    switch(gradient_checkpointing_kwargs={"use_reentrant": False})
+                else:
+                    switch()
+            except (ValueError, TypeError, NotImplementedError):
+                continue
+            _no_cache(model)
+            return f"the model's own {name}() (non-reentrant)"
+    switch = _own(model, "enable_gradient_checkpointing")
+    if switch is not None and getattr(_base(model), "_supports_gradient_checkpointing", True):
+        try:
+            switch()
+            return "the model's own enable_gradient_checkpointing()"
+        except (ValueError, TypeError, NotImplementedError):
+            pass
+    _no_cache(model)
+    for u in units:
+        _wrap_checkpoint(u)
+    return f"torch.utils.checkpoint (non-reentrant) around each of {len(units)} blocks"
+
+
+def _own(model: nn.Module, name: str) -> Any:
+    """``model.name`` if the model (or the model a wrapper such as PEFT's holds) has it."""
+    with contextlib.suppress(Exception):
+        return getattr(model, name)
+    return None
+
+
+def _base(model: nn.Module) -> Any:
+    get = getattr(model, "get_base_model", None)
+    if callable(get):
+        with contextlib.suppress(Exception):
+            return get()
+    return model
+
+
+def _no_cache(model: nn.Module) -> None:
+    """A recomputed forward must not write the key/value cache a second time: caching off, as transformers
+    does when it checkpoints."""
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and getattr(config, "use_cache", None):
+            with contextlib.suppress(Exception):
+                config.use_cache = False
+
+
+def _wrap_checkpoint(unit: nn.Module) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    inner = unit.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        for key in _CACHE_KWARGS:
+            if kwargs.get(key) is not None:
+                kwargs[key] = None
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    unit.forward = forward  # type: ignore[method-assign]
