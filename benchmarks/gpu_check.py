@@ -71,6 +71,21 @@ CHECKS = {
         "test_gpu_route_lists_the_kernels_process_within_5_percent"],
     "SDPA and dropout as CUDA runs them: a GPT-2 step's estimate within 5 % of max_memory_allocated": [
         "test_gpu_gpt2_step_estimate_matches_max_memory_allocated"],
+    "OOM cell: allocator read after its frames are released": [
+        "test_gpu_out_of_memory_cell_reads_the_allocator_after_releasing_its_frames"],
+    "peak counter reset inside the cell: the replay is the peak": [
+        "test_gpu_peak_reset_inside_the_cell_keeps_the_cells_peak"],
+    "--budget: current device kept; no fraction under a GC threshold": [
+        "test_gpu_budget_keeps_the_current_device", "test_gpu_budget_leaves_the_allocator_alone_under_a_gc_threshold"],
+    "looking never calls torch.cuda.is_available (cuInit)": ["test_gpu_nothing_that_looks_calls_is_available"],
+    "allocator model = real allocator: default, expandable, max_split, roundup": [
+        "test_gpu_allocator_model_matches_under_each_setting"],
+    "expandable_segments: cell blocks and the estimate (5 %)": [
+        "test_gpu_expandable_segments_in_a_measured_cell_and_the_estimate"],
+    "history recorded with skip_actions is said": ["test_gpu_skip_actions_recording_is_said"],
+    "NVML's total vs CUDA's total_memory, like with like": [
+        "test_gpu_nvml_lists_this_process_within_5_percent",
+        "test_gpu_route_lists_the_kernels_process_within_5_percent"],
 }
 
 

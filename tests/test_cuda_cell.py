@@ -6,7 +6,9 @@ figures of the report; a real GPU runs the same path in ``tests/test_cuda_gpu.py
 
 from __future__ import annotations
 
+import contextlib
 import types
+import weakref
 
 import pytest
 import torch
@@ -46,6 +48,7 @@ class FakeGPU:
         mp.setattr(torch.cuda.memory, "_record_memory_history", self.record)
         mp.setattr(torch.cuda.memory, "_snapshot", self.snapshot)
         mp.setattr(torch.cuda, "set_per_process_memory_fraction", self.set_fraction)
+        mp.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())  # one device: nothing to switch
         if self.has_getter:
             mp.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index=None: self.fraction, raising=False)
         else:
@@ -141,3 +144,101 @@ def test_measure_reports_the_allocators_figures(monkeypatch):
     assert m.delta.total == 16 * MiB - 512
     assert m.before.details("other") == {"allocator: workspaces, rounding and untracked": 8 * MiB}
     assert m.capacity == TOTAL and m.stats.allocated == 24 * MiB - 512
+
+
+# --- an out-of-memory cell: the allocator is read after the failed frames are released ----------------------------
+class Held:
+    """Stands for the CUDA tensors a failed cell's frame held when the allocation ran out of memory."""
+
+
+def test_an_out_of_memory_cell_reads_the_allocator_after_releasing_its_frames(monkeypatch):
+    gpu = FakeGPU().install(monkeypatch)
+    held: list[weakref.ref] = []
+
+    def memory_stats(index=None):  # the frame's 1 GiB is allocated while anything holds it
+        if gpu.phase == "before":
+            return dict(BEFORE)
+        alive = sum(1 for r in held if r() is not None)
+        return {**AFTER, "allocated_bytes.all.current": AFTER["allocated_bytes.all.current"] + alive * GiB}
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", memory_stats)
+
+    def step():
+        activations = Held()
+        held.append(weakref.ref(activations))
+        gpu.phase = "after"
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                     "80.00 GiB of which 1.00 GiB is free.")
+
+    m = vram_magic.measure("cuda:0", namespace={})
+    with pytest.raises(torch.OutOfMemoryError):
+        with m:
+            step()
+    assert held[0]() is None  # released by the measurement, as a real out-of-memory error leaves it
+    # the allocator's figures once the frame's 1 GiB is gone: no 1 GiB of "workspaces, rounding and untracked"
+    assert m.after.total == 24 * MiB - 512 and m.delta.total == 16 * MiB - 512
+    assert m.oom and not any("differ by" in n for n in m.notes), m.notes
+
+
+# --- --budget on another device: the current device is left as it was -------------------------------------------
+class Devices:
+    """``torch.cuda.device(i)`` and the current device of a two-GPU machine whose ``set_per_process_memory_fraction``
+    calls ``SetDevice(device)`` and never restores it (``NativeCachingAllocator::setMemoryFraction`` in the 2.5-era
+    ``c10/cuda/CUDACachingAllocator.cpp``)."""
+
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.current = 0
+        self.gpu = gpu
+        self.seen: list[int] = []
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> Devices:
+        devices = self
+
+        class device:
+            def __init__(self, index):
+                self.index, self.prev = int(index), None
+
+            def __enter__(self):
+                self.prev, devices.current = devices.current, self.index
+
+            def __exit__(self, *exc):
+                devices.current = self.prev
+
+        def set_fraction(fraction, index=0):
+            self.gpu.set_fraction(fraction, index)
+            self.seen.append(self.current)
+            self.current = index  # SetDevice(device), never put back
+
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "device", device)
+        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+        return self
+
+
+def test_budget_on_another_device_leaves_the_current_device(monkeypatch):
+    gpu = FakeGPU().install(monkeypatch)
+    devices = Devices(gpu).install(monkeypatch)
+    cell = CudaCell("cuda:1", budget=4 * GiB).start()
+    assert devices.current == 0  # the cell's device="cuda" tensors still go to cuda:0
+    gpu.phase = "after"
+    cell.stop()
+    assert devices.current == 0 and devices.seen == [1, 1]  # both calls made under cuda:1's guard
+    assert gpu.fraction_calls == [4 * GiB / TOTAL, 1.0]
+
+
+def test_budget_leaves_the_allocator_alone_where_a_fraction_would_turn_on_collection(monkeypatch):
+    # garbage_collection_threshold collects only once a fraction is set, and setting one cannot be undone
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6")
+    gpu = FakeGPU().install(monkeypatch)
+    cell = CudaCell("cuda:0", budget=4 * GiB).start()
+    gpu.phase = "after"
+    cell.stop()
+    assert gpu.fraction_calls == []
+    assert any("garbage_collection_threshold:0.6" in n and "live tensors only" in n for n in cell.notes)
+    gpu = FakeGPU().install(monkeypatch)
+    gpu.fraction = 0.5  # the user set one already: the flag is on anyway, and their fraction is put back
+    cell = CudaCell("cuda:0", budget=4 * GiB).start()
+    gpu.phase = "after"
+    cell.stop()
+    assert gpu.fraction_calls == [4 * GiB / TOTAL, 0.5]

@@ -223,3 +223,163 @@ def test_gpu_record_stream_frees_count_when_requested():
         del x  # free requested now, completed once the side stream is done
     assert m.after.total == torch.cuda.memory_allocated()
     assert cuda.device_stats("cuda:0").allocated == torch.cuda.memory_allocated()
+
+
+def test_gpu_out_of_memory_cell_reads_the_allocator_after_releasing_its_frames():
+    def step():
+        held = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")  # what the failed frame holds  # noqa: F841
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")  # 1 PiB: no device has it
+
+    torch.cuda.synchronize()
+    m = vram_magic.measure("cuda", namespace={})
+    with pytest.raises(torch.OutOfMemoryError):
+        with m:
+            step()
+    assert m.report.oom
+    assert m.after.total == torch.cuda.memory_allocated()  # read after the frame's 256 MiB was freed
+    assert m.after.total - m.before.total < MiB and m.peak.total - m.before.total >= 256 * MiB
+
+
+def test_gpu_peak_reset_inside_the_cell_keeps_the_cells_peak():
+    with vram_magic.measure("cuda", namespace={}) as m:  # warm up, reset, timed step: a benchmark's cell
+        warm = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+        del warm
+        torch.cuda.reset_peak_memory_stats()  # this test's own counter: the cell is the user here
+        step = torch.empty(MiB, dtype=torch.uint8, device="cuda")
+        del step
+    assert m.peak.total - m.before.total >= 64 * MiB, m.notes
+    assert any("reset the allocator's peak counter" in n for n in m.notes), m.notes
+
+
+def test_gpu_budget_keeps_the_current_device():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("one GPU here: --budget on cuda:1 needs two")
+    if not hasattr(torch.cuda, "get_per_process_memory_fraction"):
+        pytest.skip("PyTorch < 2.6: --budget is enforced on live tensors only")
+    torch.cuda.set_device(0)
+    with vram_magic.measure("cuda:1", namespace={}, budget="1GiB"):
+        assert torch.cuda.current_device() == 0
+        t = torch.empty(MiB, dtype=torch.uint8, device="cuda:1")
+    assert torch.cuda.current_device() == 0
+    del t
+
+
+def test_gpu_budget_leaves_the_allocator_alone_under_a_gc_threshold():
+    got = fresh("""
+        import json, torch, vram_magic
+        torch.zeros(1, device="cuda")
+        if not hasattr(torch.cuda, "get_per_process_memory_fraction"):
+            print(json.dumps({"skip": True})); raise SystemExit
+        with vram_magic.measure("cuda", namespace={}, budget="64MiB", backend="tracker") as m:
+            pass
+        print(json.dumps({"fraction": torch.cuda.get_per_process_memory_fraction(), "notes": list(m.notes)}))
+    """, env={"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"})
+    if got.get("skip"):
+        pytest.skip("PyTorch < 2.6")
+    assert got["fraction"] == 1.0
+    assert any("garbage_collection_threshold:0.6" in n for n in got["notes"]), got["notes"]
+
+
+def test_gpu_nothing_that_looks_calls_is_available():
+    got = fresh("""
+        import json, os, torch, traceback
+        calls = []
+        real = torch.cuda.is_available
+        def counted():
+            if os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") != "1":  # the NVML check runs no cuInit
+                calls.append("".join(traceback.format_stack(limit=8)))
+            return real()
+        torch.cuda.is_available = counted
+        from IPython.core.interactiveshell import InteractiveShell
+        sh = InteractiveShell.instance()
+        for cell in ("%load_ext vram_magic", "%vram", "%vram all", "%%vram -q -o r\\nx = sum(range(10))",
+                     "%%vram -q\\ny = [x] * 3"):
+            sh.run_cell(cell)
+        import vram_magic
+        with vram_magic.measure(namespace={}):
+            z = [1] * 10
+        vram_magic.estimate(torch.nn.Linear(64, 64), torch.randn(4, 64))
+        print(json.dumps({"calls": calls, "initialised": torch.cuda.is_initialized()}))
+    """)
+    assert got["calls"] == [], got["calls"][0]
+    assert got["initialised"] is False
+
+
+ALLOCATOR_STEPS = """
+    import json, torch
+    from vram_magic.engine.alloc_conf import settings_from_env
+    from vram_magic.engine.caching_allocator import CachingAllocator
+    MiB = 2**20
+    # bytes to allocate, or -k to free what step k allocated
+    steps = [4 * MiB, 19 * MiB + MiB // 2, -1, 11 * MiB, 100, 30 * MiB + 100, -4, 5 * MiB + 1, 60 * MiB, -9,
+             30 * MiB, 8 * MiB, 100 * 1024, -6, -11, 45 * MiB]
+    real, model, live, handles = [], [], {}, {}
+    sim = CachingAllocator(settings=settings_from_env())
+    for i, n in enumerate(steps, 1):
+        if n > 0:
+            live[i] = torch.empty(n, dtype=torch.uint8, device="cuda")
+            handles[i] = sim.malloc(n)
+        else:
+            del live[-n]
+            sim.free(handles.pop(-n))
+        real.append((torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+        model.append((sim.allocated, sim.reserved))
+    print(json.dumps({"real": real, "model": model}))
+"""
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:20",
+                                  "roundup_power2_divisions:4", "roundup_power2_divisions:[4:8,>:2]"])
+def test_gpu_allocator_model_matches_under_each_setting(conf):
+    got = fresh(ALLOCATOR_STEPS, env={"PYTORCH_CUDA_ALLOC_CONF": conf})
+    assert got["model"] == got["real"], list(zip(got["model"], got["real"]))
+
+
+def test_gpu_expandable_segments_in_a_measured_cell_and_the_estimate():
+    got = fresh("""
+        import json, torch, vram_magic
+        MiB = 2**20
+        torch.zeros(1, device="cuda")
+        with vram_magic.measure("cuda", namespace={}) as m:
+            t = torch.empty(19 * MiB + MiB // 2, dtype=torch.uint8, device="cuda")
+            del t
+        from vram_magic.estimator.gpus import GPU, find_gpu
+        name = torch.cuda.get_device_name(0)
+        try:
+            gpu = find_gpu(name)
+        except ValueError:
+            p = torch.cuda.get_device_properties(0)
+            gpu = GPU(name, int(p.total_memory), "detected", 0.0, capability=(p.major, p.minor))
+        torch.manual_seed(0)
+        model, x = torch.nn.Linear(1000, 5000), torch.randn(8, 1000)
+        est = vram_magic.estimate(model, x, gpu=gpu)
+        torch.cuda.synchronize(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model, x = model.cuda(), x.cuda()
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            model(x).sum().backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        print(json.dumps({"rise": m.peak.total - m.before.total, "notes": list(m.notes), "est": est.peak.total,
+                          "real": torch.cuda.max_memory_allocated() - base, "est_notes": list(est.notes)}))
+    """, env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert got["rise"] == 19 * MiB + MiB // 2, got["notes"]  # the default rules would say 20 MiB
+    assert any("expandable_segments:True" in n for n in got["notes"]), got["notes"]
+    assert any("expandable_segments:True (from PYTORCH_CUDA_ALLOC_CONF)" in n for n in got["est_notes"])
+    assert abs(got["est"] - got["real"]) <= 0.05 * got["real"], got
+
+
+def test_gpu_skip_actions_recording_is_said():
+    try:
+        torch.cuda.memory._record_memory_history(enabled="all", skip_actions=["free_requested"])
+    except TypeError:
+        pytest.skip("this PyTorch has no skip_actions (2.6 on)")
+    try:
+        with vram_magic.measure("cuda", namespace={}) as m:
+            a = torch.empty(12 * MiB, dtype=torch.uint8, device="cuda")
+            del a
+        assert any("skip_actions" in n for n in m.notes), m.notes
+        assert not any("wrapped" in n for n in m.notes), m.notes
+        assert m.peak.total - m.before.total >= 12 * MiB
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)

@@ -47,11 +47,15 @@ CELL = [
 ]
 
 
-def stats(current: int, peak: int, allocs: int, freed: int, completed: int, segments: int, ooms: int = 0) -> dict:
+def stats(current: int, peak: int, allocs: int, freed: int, completed: int, segments: int, ooms: int = 0,
+          live_peak: int = 12) -> dict:
+    """``live_peak``: ``allocation.all.peak``, the most blocks alive at once (``allocation.all.current`` is
+    ``allocs - freed``)."""
     out = {f"{stat}.{pool}.{kind}": 0 for stat in ("allocation", "allocated_bytes", "active", "reserved_bytes")
            for pool in ("all", "small_pool", "large_pool") for kind in ("current", "peak", "allocated", "freed")}
     out.update({"allocated_bytes.all.current": current, "allocated_bytes.all.peak": peak,
                 "allocation.all.allocated": allocs, "allocation.all.freed": freed, "active.all.freed": completed,
+                "allocation.all.current": allocs - freed, "allocation.all.peak": live_peak,
                 "num_device_alloc": segments, "num_device_free": 0, "num_ooms": ooms, "num_alloc_retries": 0})
     return out
 
@@ -155,10 +159,19 @@ def test_a_state_only_recording_leaves_the_counters():
     assert device_usage("cuda:0", before, risen, snap(CELL[-1:]), history="user")[0].peak == 150 * MiB
 
 
-def test_the_replay_never_goes_above_the_global_peak_counter():
-    low = {**AFTER, "allocated_bytes.all.peak": 26 * MiB}
-    before = {**BEFORE, "allocated_bytes.all.peak": 26 * MiB}
-    assert device_usage("cuda:0", before, low, snap(CELL), history="ours")[0].peak == 26 * MiB
+def test_the_replay_never_goes_above_the_global_peak_counter_by_its_own_uncertainty():
+    # a 12 MiB block (11 MiB asked, 1 MiB unsplit) allocated before the cell is freed, then 11.5 MiB is asked at
+    # its address (the whole 12 MiB block again: 0.5 MiB left is not split off). The replay takes both as their
+    # rounded requests: 20 - 11 + 11.5 = 20.5 MiB, half a MiB above the counter, within the 1 MiB the freed block's
+    # unknown remainder allows: the counter, which was not reset, bounds it
+    old = 0x7F30_0000_0000
+    before = stats(20 * MiB, 20 * MiB, 5, 0, 0, 2, live_peak=5)
+    after = stats(20 * MiB, 20 * MiB, 6, 1, 1, 2, live_peak=5)
+    cell = [e("free_requested", old, 11 * MiB), e("free_completed", old, 11 * MiB),
+            e("alloc", old, 11 * MiB + MiB // 2)]
+    usage, rep = device_usage("cuda:0", before, after, snap(cell, []), history="ours")
+    assert (rep.peak, rep.slack) == (20 * MiB + MiB // 2, MiB)
+    assert usage.peak == 20 * MiB and not usage.reset
 
 
 def test_counters_and_history_that_disagree_are_said():
@@ -202,3 +215,96 @@ def test_snapshot_replay_is_in_requested_sizes_with_frees_when_requested():
     # requested sizes: end 15 MiB+300; deltas +4 MiB+100, +15 MiB+300, +100, -(4 MiB+100), -100, +100, -100
     assert start == 0
     assert (peak, at) == (4 * MiB + 100 + 15 * MiB + 300 + 100, 4)
+
+
+# --- the cell resets the peak counter (c10's reset_peak_stat: every stat's peak = its current) ---------------------
+def reset_at_the_end(after: dict) -> dict:
+    """``after`` as ``torch.cuda.reset_peak_memory_stats()`` at the cell's end leaves it: each peak is its current."""
+    return {k: (after[k.removesuffix(".peak") + ".current"] if k.endswith(".peak") else v) for k, v in after.items()}
+
+
+def test_a_peak_reset_inside_the_cell_leaves_the_replay_as_the_peak():
+    # warm up (the cell's 28.5 MiB), reset, timed step (less): the counter reads only what followed the reset
+    after = reset_at_the_end(AFTER)
+    assert after["allocated_bytes.all.peak"] == 24 * MiB - 512
+    usage, rep = device_usage("cuda:0", BEFORE, after, snap(CELL), history="ours")
+    assert usage.peak == 28 * MiB + 512  # min(replay, counter) read 24 MiB - 512
+    assert usage.reset and rep.peak == 28 * MiB + 512
+    assert any("reset the allocator's peak counter on cuda:0" in n for n in usage.notes), usage.notes
+
+
+def test_a_reset_when_no_peak_falls_is_seen_by_the_replay():
+    # the user's counter had been reset before the cell too, so no peak falls; but the replay has 2 + 3 blocks alive
+    # at once (allocation.all.current before, then the cell's three allocs) where allocation.all.peak says 3, and
+    # reaches 28.5 MiB where allocated_bytes.all.peak says 24 MiB
+    before = stats(8 * MiB, 8 * MiB, 10, 8, 8, 3, live_peak=2)
+    after = reset_at_the_end(stats(24 * MiB - 512, 0, 13, 10, 10, 4, live_peak=0))
+    usage, rep = device_usage("cuda:0", before, after, snap(CELL), history="ours")
+    assert usage.peak == 28 * MiB + 512
+    assert usage.reset and rep.live_peak == 3 and after["allocation.all.peak"] == 3
+
+
+def test_no_reset_when_the_counter_rose_and_held_everything():
+    before = {**BEFORE, "allocated_bytes.all.peak": 8 * MiB}
+    usage, _ = device_usage("cuda:0", before, {**AFTER, "allocated_bytes.all.peak": 28 * MiB + 512}, snap(CELL),
+                            history="ours")
+    assert not usage.reset and usage.peak == 28 * MiB + 512 and usage.notes == ()
+
+
+def test_a_reset_without_history_is_said():
+    usage, _ = device_usage("cuda:0", BEFORE, reset_at_the_end(AFTER), None, history=None)
+    assert "the counter saw only what followed" in usage.notes[0]
+    assert usage.reset and usage.peak == 24 * MiB - 512
+
+
+# --- block sizes under the allocator settings the snapshot recorded ----------------------------------------------
+def settings_snap(trace: list[dict], segs: list[dict], **settings) -> dict:
+    """A snapshot whose ``allocator_settings`` are as ``torch/csrc/cuda/Module.cpp`` writes them."""
+    base = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collection_threshold": 0.0,
+            "expandable_segments": False, "pinned_num_register_threads": 1, "release_lock_on_cudamalloc": False,
+            "pinned_use_cuda_host_register": False, "roundup_power2_divisions": {str(1 << i): 0 for i in range(16)}}
+    return {"segments": segs, "device_traces": [trace], "allocator_settings": {**base, **settings}}
+
+
+def test_expandable_segments_in_the_snapshot_size_the_blocks():
+    # segment_map of one 20 MiB page, 19.5 MiB asked (split at 19.5 MiB with expandable segments: the default rule
+    # keeps the 0.5 MiB and makes it 20 MiB), 100 bytes, the large block freed
+    s2 = 0x7F50_0000_0000
+    cell = [e("segment_map", s2, 20 * MiB), e("alloc", s2, 19 * MiB + MiB // 2), e("alloc", A, 100),
+            e("free_requested", s2, 19 * MiB + MiB // 2), e("free_completed", s2, 19 * MiB + MiB // 2)]
+    before = stats(8 * MiB, 8 * MiB, 10, 8, 8, 3, live_peak=2)
+    after = stats(8 * MiB + 512, 27 * MiB + MiB // 2 + 512, 12, 9, 9, 4, live_peak=4)
+    snapshot = settings_snap(cell, [], expandable_segments=True, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    usage, rep = device_usage("cuda:0", before, after, snapshot, history="ours")
+    assert (rep.peak, rep.estimated, rep.end) == (27 * MiB + MiB // 2 + 512, 0, 8 * MiB + 512)
+    assert usage.peak == 27 * MiB + MiB // 2 + 512
+    assert any("expandable_segments:True (from the allocator's snapshot)" in n for n in usage.notes), usage.notes
+    default = replay_blocks(cell, start=8 * MiB)
+    assert default.peak == 28 * MiB + 512  # what the default rules said
+
+
+def test_max_split_size_and_roundup_in_the_snapshot_size_the_blocks():
+    from vram_magic.engine.alloc_conf import settings_from_snapshot
+
+    s3 = 0x7F60_0000_0000
+    cell = [e("segment_alloc", s3, 32 * MiB), e("alloc", s3, 30 * MiB + 100)]
+    split = settings_from_snapshot(settings_snap([], [], max_split_size=20 * MiB)["allocator_settings"])
+    assert replay_blocks(cell, start=0, settings=split).peak == 32 * MiB  # whole: 30 MiB >= max_split_size
+    assert replay_blocks(cell, start=0).peak == 30 * MiB + 512  # default: the 2 MiB - 512 left is split off
+    divs = settings_from_snapshot(settings_snap([], [], roundup_power2_divisions={str(1 << i): 4 for i in range(16)})
+                                  ["allocator_settings"])
+    cell = [e("segment_alloc", s3, 20 * MiB), e("alloc", s3, 5 * MiB + 1)]
+    assert replay_blocks(cell, start=0, settings=divs).peak == 6 * MiB  # rounded to 1 MiB steps between 4 and 8
+    assert replay_blocks(cell, start=0).peak == 5 * MiB + 512
+
+
+# --- a user's recording with skip_actions -------------------------------------------------------------------------
+def test_a_recording_that_skips_free_requested_is_said_not_blamed_on_a_wrapped_buffer():
+    # _record_memory_history(skip_actions=["free_requested"]): the counters say 2 were made, the trace has none
+    cell = [x for x in CELL if x["action"] != "free_requested"]
+    usage, rep = device_usage("cuda:0", BEFORE, AFTER, snap(cell), history="user")
+    assert not any("wrapped" in n for n in usage.notes), usage.notes
+    assert any("leaves out free_requested entries (skip_actions)" in n for n in usage.notes), usage.notes
+    assert usage.peak == 28 * MiB + 512 and rep.frees == "free_completed"
+    # a wrapped buffer that kept only the cell's frees proves nothing skipped: still a wrapped buffer
+    assert "the buffer wrapped" in device_usage("cuda:0", BEFORE, AFTER, snap(CELL[4:]), history="user")[0].notes[0]

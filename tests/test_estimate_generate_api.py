@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import run, skip_module_without_transformers_5
 from generate_zoo import CASES, TupleGPT, llama
-from vram_magic.estimator.generate.cuda import sdpa_kernel
 
 import vram_magic
+from vram_magic.estimator.generate.cuda import sdpa_kernel
 
 skip_module_without_transformers_5()
 
@@ -194,10 +194,9 @@ def test_logits_to_keep_what_if_for_a_model_that_computes_all_logits():
 def test_reruns_keep_the_quantized_cache_bits_and_logits_to_keep():
     """A re-run made from an estimate's facts (spec_of) is the estimate's own: a quantized cache's bits and the
     logits_to_keep what-if travel with it, and its what-ifs do not offer it again."""
+    from vram_magic.estimator.explore.generate_search import with_search
     from vram_magic.estimator.generate.candidates import candidates
     from vram_magic.estimator.generate.workload import evaluate_generate, spec_of
-
-    from vram_magic.estimator.explore.generate_search import with_search
 
     def offered(est) -> set[str]:  # the what-if rows the estimate's table would re-run
         return {c[0] for c in candidates(est.options, spec_of(est), est.generation)}
@@ -306,3 +305,67 @@ def test_cuda_estimate_replays_the_growing_cache_through_the_allocator():
     assert est.needed == est.reserved + est.context
     assert any("replayed over all" in n for n in est.notes)
     assert "reserved above allocated" in str(est)
+
+
+GIB, MIB = 1 << 30, 1 << 20
+
+
+def _prefill_like(medium_block_first: bool):
+    """Two layers of a prefill on the math kernel, as the allocator sees them: the scores (2 GiB) and their softmax
+    (2 GiB), the scores freed, a 256 MiB tensor made while the softmax is alive, then the next layer's scores and
+    softmax. ``medium_block_first``: a freed 300 MiB block (an MLP intermediate) lies in the cache beforehand."""
+    from vram_magic.estimator.generate_cuda import PinnedAllocator
+
+    a = PinnedAllocator()
+    if medium_block_first:
+        a.free(a.malloc(300 * MIB, "mlp"))
+    scores, softmax = a.malloc(2 * GIB, "scores 0"), a.malloc(2 * GIB, "softmax 0")
+    a.free(scores)
+    mask = a.malloc(256 * MIB, "mask 1")  # best fit: the smallest free block of at least 256 MiB, split
+    a.free(softmax)
+    a.malloc(2 * GIB, "scores 1")
+    a.malloc(2 * GIB, "softmax 1")
+    return a, mask
+
+
+def test_a_freed_block_split_for_a_smaller_tensor_is_needed_whole():
+    """PyTorch's allocator serves a request from the smallest free block large enough, splitting it (remainder
+    > 1 MiB), and gives a segment back to the device only when nothing in it is in use. With no smaller free
+    block, the 256 MiB tensor splits the freed scores' 2 GiB segment; the next layer's softmax then needs a third
+    2 GiB segment, and 1.75 GiB stay free inside the first: what a GPU needs is 6 GiB, not the 4.25 GiB in use."""
+    a, _mask = _prefill_like(medium_block_first=False)
+    assert (a.peak_reserved, a.peak_pinned, a.in_use) == (6 * GIB, 6 * GIB, 4 * GIB + 256 * MIB)
+    (top,) = a.stranded
+    assert (top.segment, top.free, top.made_for, top.holders) == (2 * GIB, 2 * GIB - 256 * MIB, "scores 0",
+                                                                  (("mask 1", 256 * MIB),))
+    # a 300 MiB block freed beforehand takes the tensor instead (44 MiB left free in it): two 2 GiB segments do
+    b, _ = _prefill_like(medium_block_first=True)
+    assert (b.peak_pinned, b.in_use) == (4 * GIB + 300 * MIB, 4 * GIB + 256 * MIB)
+    assert b.stranded[0].made_for == "mlp" and b.stranded[0].free == 44 * MIB
+
+
+def test_what_a_gpu_needs_for_generation_says_what_is_stranded():
+    """A grouped-query Llama on a T4 (the math kernel: 8 heads × 8,192² fp32 scores, 2 GiB a layer) with an
+    8,192-token prompt: with the dynamic cache, layer 3's 256 MiB causal mask (8,192² fp32) lands in a freed
+    scores block, whose segment stays, and the next scores get a segment of their own; the quantized cache's
+    smaller tensors leave a free block for it. Needs differ by more than a GiB for that, and the estimate says so."""
+    import transformers as t
+
+    config = t.LlamaConfig(num_hidden_layers=4, hidden_size=1024, intermediate_size=3584, num_attention_heads=8,
+                           num_key_value_heads=2, vocab_size=32000, max_position_embeddings=16384)
+    x = torch.randint(0, 32000, (1, 8192), generator=torch.Generator().manual_seed(0))
+    est = vram_magic.estimate(lambda: t.LlamaForCausalLM(config), x, generate=8, dtype="fp16", gpu="T4")
+    quantized = est.rerunnable().evaluate(est.options, cache_implementation="quantized")
+    for e in (est, quantized):
+        g = e.generation
+        assert e.needed == g.in_use + g.stranded + e.context  # segments holding live blocks at their peak
+    assert est.needed - quantized.needed > GIB
+    gen = est.generation
+    assert gen.stranded > GIB
+    assert gen.stranded_by.startswith(f"{vram_magic.format_bytes(2 * GIB - 256 * MIB)} of it in a 2.00 GiB segment "
+                                      "made for model.layers.0.self_attn's prefill activations, which "
+                                      "model.layers.3.self_attn's prefill activations (256 MiB) keeps")
+    assert any(gen.stranded_by in n for n in est.notes)
+    from vram_magic.estimator.generate_whatif import stranded_note
+
+    assert stranded_note(gen).startswith(f"; needs {vram_magic.format_bytes(gen.stranded)} free inside segments")

@@ -73,6 +73,7 @@ def estimate(
     gpu: str | GPU | None = None,
     budget: int | str | None = None,
     cuda: CudaModel | None = None,
+    alloc_conf: str | None = None,
     what_if: bool = False,
     max_batch: bool = False,
     max_seq: bool = False,
@@ -104,7 +105,10 @@ def estimate(
     with PEFT is estimated as it is.
     ``device="cuda"`` models a GPU (default), ``"cpu"`` a CPU run. ``gpu`` (a name from :data:`GPUS`) or
     ``budget`` (``"24GiB"``) sets the capacity for the fit verdict; ``cuda``: a :class:`CudaModel` with other
-    constants for what CUDA adds (its context, the cuBLAS and cuDNN workspaces). ``what_if`` adds the strategy table;
+    constants for what CUDA adds (its context, the cuBLAS and cuDNN workspaces). ``alloc_conf``: the caching
+    allocator's settings in ``PYTORCH_CUDA_ALLOC_CONF``'s syntax (``"expandable_segments:True"``,
+    ``"max_split_size_mb:512"``, ``"roundup_power2_divisions:4"``; default: that variable's value here), modelled
+    in the block sizes and reserved memory and named in the notes. ``what_if`` adds the strategy table;
     ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1
     of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial.
 

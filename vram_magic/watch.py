@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.cuda import has_context
+from .engine.cuda import has_context, resolve_device
 from .live import LiveView, Publisher, ipython_publisher
 
 
@@ -86,22 +86,9 @@ def cuda_sampler(index: int) -> Callable[[], Sample]:
 
 
 def watch_device(device: str | None) -> str:
-    """``cpu`` or ``cuda:N`` for ``device`` (None: the first visible GPU if CUDA is available, else the CPU),
-    without initialising CUDA."""
-    import torch
-
-    if device is None:
-        if not torch.cuda.is_available():
-            return "cpu"
-        return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_initialized() else "cuda:0"
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        return "cpu"
-    if dev.type != "cuda":
-        raise ValueError(f"%vram watch: device {device!r} is not supported; use cpu, cuda or cuda:N")
-    if not torch.cuda.is_available():
-        raise ValueError(f"%vram watch: {device!r} asked for, but CUDA is not available here; use cpu")
-    return f"cuda:{dev.index if dev.index is not None else 0}"
+    """``cpu`` or ``cuda:N`` for ``device`` (None: the current GPU if one is visible, else the CPU), without
+    initialising CUDA: the engine's own device resolution (``engine/cuda.py``)."""
+    return resolve_device(device, what="%vram watch: device")
 
 
 # --- the monitor ----------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import pipeline
 from .autograd_graph import saved_tensors
 from .containers import (
     KV_CACHE,
@@ -118,6 +119,8 @@ class _Walker:
         self.frozen = False  # a frozen (or quantized) parameter was claimed: the notes say how much trains
         # no FSDP module can exist before FSDP2 is imported: looked up once a scan, not once a module
         self.fsdp_loaded = any(path in sys.modules for path in _FSDP)
+        # (name, a pipeline stage or schedule): what the stages hold beside their modules (pipeline.py)
+        self.pipelines: list[tuple[str, Any]] | None = [] if pipeline.loaded() else None
 
     # --- collect -------------------------------------------------------------------------------
     def visit(self, name: str, obj: Any, depth: int, cache: bool = False) -> None:
@@ -169,6 +172,8 @@ class _Walker:
             else:
                 self._items(name, enumerate(obj), depth, cache, len(obj), True)
         else:
+            if self.pipelines is not None and pipeline.stages_of(obj):
+                self.pipelines.append((name, obj))
             if callable(obj):
                 return
             try:  # the instance's own dict, without running a class's __getattribute__
@@ -321,6 +326,13 @@ class _Walker:
         self._claim_all(state_tensors, "optimizer_state")
         graphs = self._claim_kv_caches()
         self._claim_all(buffers, "other", "buffers of ")
+        for name, holder in self.pipelines or ():  # a stage's own tensors, before its attributes' and the graphs'
+            try:
+                for stage in pipeline.stages_of(holder):
+                    for t, (category, label) in pipeline.held_tensors(stage):
+                        self.claim(t, category, label, name)
+            except Exception as err:
+                self._unread(f"the pipeline stage of {name}", err)
         for name, t in self.tensors:
             if type(t) is Found:  # the tensors of a big container, all leaves: "other", by the container's name
                 self._claim_found(t, ("other", name))

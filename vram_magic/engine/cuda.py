@@ -26,8 +26,9 @@ import torch
 
 from ..device_stats import DeviceStats
 from ..units import format_bytes
-from .cuda_history import HistoryReplay, cell_window, end_blocks, expected_entries, replay_blocks
+from .alloc_conf import settings_from_env
 from .cuda_oom import parse_oom_message, requested_bytes
+from .cuda_usage import DeviceUsage, device_usage, touched
 from .torch_private import (
     cuda_has_primary_context,
     cuda_history_enabled,
@@ -88,25 +89,38 @@ def _current_index() -> int:
     return 0
 
 
-def resolve_device(device: Any = None) -> str:
-    """``None`` → the current CUDA device if there is one, else ``cpu``. Returns ``cpu`` or ``cuda:N``."""
+def device_count() -> int:
+    """The visible CUDA devices, counted the way that initialises nothing: ``torch.cuda.device_count()`` asks NVML
+    while CUDA is not initialised (PyTorch falls back to the runtime only where NVML fails). Never
+    ``torch.cuda.is_available()``: it calls ``cudaGetDeviceCount``, which runs ``cuInit`` and leaves the process
+    unable to use CUDA in forked children (``--ranks``, DataLoader workers), unless
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``. 0 on a build without CUDA."""
+    try:
+        return int(torch.cuda.device_count())
+    except Exception:
+        return 0
+
+
+def resolve_device(device: Any = None, *, what: str = "device") -> str:
+    """``None`` → the current CUDA device if there is one, else ``cpu``. Returns ``cpu`` or ``cuda:N``; a
+    ``ValueError`` naming ``what`` (``"device"``, ``"%vram watch: device"``) for anything else."""
     if device is None:
-        if torch.cuda.is_available():
-            return f"cuda:{_current_index()}"
-        return "cpu"
+        return f"cuda:{_current_index()}" if device_count() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as err:
-        raise ValueError(f"unknown device {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from err
+        raise ValueError(f"unknown {what} {device!r}: use 'cpu', 'cuda' or 'cuda:N'") from err
     if dev.type == "cpu":
         return "cpu"
     if dev.type != "cuda":
-        raise ValueError(f"device {device!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
+        raise ValueError(f"{what} {device!r} is not supported: use 'cpu', 'cuda' or 'cuda:N'")
+    count = device_count()
+    if not count:
+        hint = "--device cpu" if what == "device" else "cpu"
+        raise ValueError(f"{what} {device!r} asked for, but CUDA is not available here; use {hint}")
     index = _current_index() if dev.index is None else dev.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r} does not exist: this machine has {torch.cuda.device_count()} GPU(s)")
+    if index >= count:
+        raise ValueError(f"{what} {device!r} does not exist: this machine has {count} GPU(s)")
     return f"cuda:{index}"
 
 
@@ -185,93 +199,6 @@ def peak_if_risen(before: DeviceStats | None, after: DeviceStats | None) -> int 
     return None
 
 
-# --- what a cell did to one device, from plain data --------------------------------------------------------
-@dataclass(frozen=True)
-class DeviceUsage:
-    """One device over a cell, in the allocator's blocks: allocated ``before``, ``after`` and at the cell's
-    ``peak``; ``touched`` when the cell allocated or freed on it."""
-
-    device: str
-    before: int
-    after: int
-    peak: int
-    touched: bool
-    oom: int | None = None
-    notes: tuple[str, ...] = ()
-
-
-def touched(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
-    """Whether a cell allocated or freed on a device, from two ``memory_stats()`` dicts (cumulative counters of
-    the native allocator; the current and peak bytes, all ``cudaMallocAsync`` reports)."""
-    keys = ("allocation.all.allocated", "allocation.all.freed", "allocated_bytes.all.current",
-            "allocated_bytes.all.peak", "num_ooms")
-    return any(int(after.get(k, 0)) != int(before.get(k, 0)) for k in keys)
-
-
-def device_usage(device: str, before: Mapping[str, Any] | None, after: Mapping[str, Any],
-                 snapshot: Mapping[str, Any] | None, *, history: str | None,
-                 since: int | None = None) -> tuple[DeviceUsage, HistoryReplay | None]:
-    """The cell on one device. ``before``/``after``: ``memory_stats()`` of that device at the cell's start and
-    end (``None`` before: CUDA was initialised by the cell, whose allocator then started at zero). ``snapshot``:
-    ``torch.cuda.memory._snapshot()`` at the end, ``history``: ``"ours"`` (recorded for the cell, cleared when
-    it started), ``"user"`` (the user's own recording), or ``None``.
-
-    The peak is the largest of: the replayed history (block sizes), the global peak counter when it rose during
-    the cell (then exact), before and after; and never above the global peak counter."""
-    index = _index(device)
-    after_alloc = int(after.get("allocated_bytes.all.current", 0))
-    global_peak = int(after.get("allocated_bytes.all.peak", after_alloc))
-    notes: list[str] = []
-    if before is None:  # the allocator was created inside the cell: its counters are the cell's
-        used = global_peak > 0
-        note = (f"CUDA was initialised by this cell: {device}'s peak is the allocator's own peak counter, which "
-                "started with it",) if used else ()
-        return DeviceUsage(device, 0, after_alloc, max(global_peak, after_alloc), used, None, note), None
-    before_alloc = int(before.get("allocated_bytes.all.current", 0))
-    was = touched(before, after)
-    candidates = [before_alloc, after_alloc]
-    before_peak = int(before.get("allocated_bytes.all.peak", before_alloc))
-    if global_peak > before_peak:
-        candidates.append(global_peak)  # the counter rose during the cell: its new value is the cell's peak
-    rep = None
-    oom = None
-    if snapshot is not None and history is not None:
-        traces = snapshot.get("device_traces", ())
-        entries = traces[index] if index < len(traces) else []
-        expected = expected_entries(before, after)
-        window = cell_window(entries, expected, since=0 if history == "ours" and since is None else since)
-        cell = entries[window.start:]
-        blocks = end_blocks(snapshot.get("segments", ()), index)
-        if window.complete:
-            rep = replay_blocks(cell, start=before_alloc, blocks_at_end=blocks)
-            if rep.end != after_alloc and was:
-                gap = format_bytes(abs(rep.end - after_alloc))
-                notes.append(f"the allocator's history and its counters differ by {gap} at the end of the cell on "
-                             f"{device} ({rep.estimated} large block(s) whose unsplit remainder the history does not "
-                             "show): the peak may be off by up to that")
-            if not window.counted and expected is not None:
-                notes.append(f"the allocator's history on {device} did not match its counters (counters reset, or "
-                             "actions skipped while recording): the peak from the history is approximate")
-        elif was:
-            kept = len(cell) if len(entries) > 1 else 0  # a 'state' recording's one entry is no trace
-            if kept:
-                rep = replay_blocks(cell, end=after_alloc, blocks_at_end=blocks)
-            what = ("your memory-history recording keeps no trace of events (enabled='state', or the legacy "
-                    "switch)" if len(entries) <= 1 else
-                    f"the allocator's history holds {len(entries):,} events and this cell made {window.expected:,}: "
-                    "the buffer wrapped")
-            how = f"replayed from the last {kept:,} events and " if kept else ""
-            notes.append(f"{what}; on {device} the cell's peak is {how}taken from the counters (exact when the "
-                         "global peak rose during the cell)")
-        if rep is not None:
-            candidates.append(min(rep.peak, global_peak))
-            oom = rep.oom
-    elif was and global_peak <= before_peak:
-        notes.append(f"without the allocator's history the cell's peak on {device} is the larger of before and after "
-                     "(the global peak counter did not rise; it was left untouched)")
-    return DeviceUsage(device, before_alloc, after_alloc, max(candidates), was, oom, tuple(notes)), rep
-
-
 # --- --budget on CUDA ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BudgetPlan:
@@ -283,18 +210,31 @@ class BudgetPlan:
     notes: tuple[str, ...] = ()
 
 
-def budget_plan(budget: int, total: int, reserved: int, previous: float | None, backend: str) -> BudgetPlan:
+def budget_plan(budget: int, total: int, reserved: int, previous: float | None, backend: str,
+                gc_threshold: float = 0.0) -> BudgetPlan:
     """``previous``: the user's own fraction from ``get_per_process_memory_fraction`` (``None`` where PyTorch has
     no such getter, before 2.6: then the user's fraction could not be put back, and it is not touched).
+    ``gc_threshold``: the ``garbage_collection_threshold`` of the allocator's settings.
 
     The fraction caps what the allocator *reserves* from the device, checked when it needs a new segment; blocks
     already cached are reused without a check, so a cache above the budget at the start lets the cell go past it
-    (the tracker still checks the budget against live tensors)."""
+    (the tracker still checks the budget against live tensors).
+
+    Setting a fraction turns on the allocator's ``set_fraction`` flag for good (``setMemoryFraction`` in
+    ``CUDACachingAllocator.cpp``; putting 1.0 back leaves it on), and with it ``garbage_collection_threshold``'s
+    collection of cached blocks. A user whose fraction reads 1.0 has most likely never set one: with a threshold
+    configured, limiting the allocator for one cell would change it for the rest of the session, so it is not
+    limited."""
     notes: list[str] = []
     if previous is None:
         return BudgetPlan(None, None, (
             "--budget is enforced on live tensors only on this PyTorch (it cannot read your allocator fraction "
             "before 2.6 to put it back, so the allocator itself is not limited)",))
+    if backend == "native" and gc_threshold > 0 and previous >= 1.0:
+        return BudgetPlan(None, None, (
+            f"--budget is enforced on live tensors only: your garbage_collection_threshold:{gc_threshold:g} starts "
+            "collecting cached blocks once a memory fraction is set, and PyTorch cannot unset one, so limiting the "
+            "allocator for this cell would change it for the rest of the session",))
     fraction = min(budget / total, previous, 1.0)
     if backend == "native" and reserved > budget:
         notes.append(f"PyTorch's allocator already reserves {format_bytes(reserved)}, more than the "
@@ -341,7 +281,7 @@ class CudaCell:
 
     def _start(self) -> CudaCell:
         self.backend = allocator_backend()
-        count = torch.cuda.device_count()
+        count = device_count()
         if self.budget is not None and not initialized():
             # the allocator's limit must be set before the cell allocates: --budget initialises the measured device
             torch.cuda.init()
@@ -363,17 +303,22 @@ class CudaCell:
         previous = None
         if getter is not None:
             try:
-                previous = float(getter(index))
+                with torch.cuda.device(index):
+                    previous = float(getter(index))
             except Exception:
                 previous = None
         total = capacity(self.device) or 0
         reserved = int(self._before.get(index, {}).get("reserved_bytes.all.current", 0))
         if not total:
             return
-        plan = budget_plan(self.budget or 0, total, reserved, previous, self.backend)
+        plan = budget_plan(self.budget or 0, total, reserved, previous, self.backend,
+                           settings_from_env().garbage_collection_threshold)
         self.notes.extend(plan.notes)
         if plan.fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(plan.fraction, index)
+            # under the device's guard: releases whose setMemoryFraction calls SetDevice(device) and never
+            # restores it would send the user's later device="cuda" tensors to this device
+            with torch.cuda.device(index):
+                torch.cuda.set_per_process_memory_fraction(plan.fraction, index)
             self._restore_fraction = plan.restore
 
     def _start_history(self) -> None:
@@ -445,7 +390,8 @@ class CudaCell:
         if self._restore_fraction is None:
             return
         try:
-            torch.cuda.set_per_process_memory_fraction(self._restore_fraction, self.index)
+            with torch.cuda.device(self.index):
+                torch.cuda.set_per_process_memory_fraction(self._restore_fraction, self.index)
         except Exception as err:
             self.notes.append(f"your allocator fraction could not be put back ({type(err).__name__}: {err})")
         finally:
@@ -455,7 +401,7 @@ class CudaCell:
         if not initialized():
             self.notes.append(not_initialised_note(self.device))
             return
-        for i in range(torch.cuda.device_count()):
+        for i in range(device_count()):
             device = f"cuda:{i}"
             after = raw_stats(i)
             before = self._before.get(i) if self.initialised_at_start else None
@@ -505,6 +451,6 @@ def oom_requested(message: str, traced: int | None) -> tuple[int | None, str]:
     return parsed.requested, parsed.describe()
 
 
-__all__ = ["BudgetPlan", "CudaCell", "DeviceUsage", "allocator_backend", "budget_plan", "capacity",
+__all__ = ["BudgetPlan", "CudaCell", "DeviceUsage", "allocator_backend", "budget_plan", "capacity", "device_count",
            "device_stats", "device_usage", "has_context", "initialized", "oom_requested", "peak_if_risen",
            "requested_bytes", "resolve_device", "stats_from", "touched"]

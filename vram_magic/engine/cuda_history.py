@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .caching_allocator import block_size, is_small, round_size
+from .alloc_conf import DEFAULT_SETTINGS, AllocatorSettings
+from .caching_allocator import block_size, round_size
 
 #: memory_stats() keys whose growth over a cell counts its trace entries, by the action each one writes
 COUNTERS: dict[str, tuple[str, ...]] = {
@@ -92,6 +93,41 @@ def cell_window(entries: Sequence[Mapping[str, Any]], expected: Mapping[str, int
     return Window(start, True, seen == dict(expected), total)
 
 
+def _proven_skipped(entries: Sequence[Mapping[str, Any]], absent: set[str]) -> bool:
+    """Whether the trace itself shows that one of the ``absent`` kinds was never recorded (rather than lost to a
+    wrapped buffer, which drops only the oldest entries): a block freed (``free_completed``) after its ``alloc``
+    with no ``free_requested`` between, an address allocated again after a ``free_requested`` with no
+    ``free_completed`` between, or freed twice with no ``alloc`` between."""
+    last: dict[int, str] = {}
+    for e in entries:
+        action = e.get("action", "")
+        if action not in ("alloc", "free_requested", "free_completed"):
+            continue
+        addr = int(e.get("addr", 0))
+        before = last.get(addr)
+        if (("free_requested" in absent and action == "free_completed" and before == "alloc")
+                or ("free_completed" in absent and action == "alloc" and before == "free_requested")
+                or ("alloc" in absent and action == "free_requested" and before in ("free_requested",
+                                                                                      "free_completed"))):
+            return True
+        last[addr] = action
+    return False
+
+
+def skipped_actions(entries: Sequence[Mapping[str, Any]], expected: Mapping[str, int] | None) -> tuple[str, ...]:
+    """The kinds of entries a user's recording leaves out (``_record_memory_history(skip_actions=[...])``, PyTorch
+    2.6 on): kinds the counters say the cell wrote of which the whole trace holds none, once the trace proves one
+    of them skipped (:func:`_proven_skipped`) and every entry the cell wrote of the other kinds is there."""
+    if not expected:
+        return ()
+    present = {_kind(e.get("action", "")) for e in entries}
+    missing = tuple(k for k, n in expected.items() if n and k not in present)
+    if not missing or not _proven_skipped(entries, set(missing)):
+        return ()
+    rest = {k: 0 if k in missing else n for k, n in expected.items()}
+    return missing if cell_window(entries, rest).complete else ()
+
+
 def end_blocks(segments: Sequence[Mapping[str, Any]], device: int) -> dict[int, int]:
     """address → size of the blocks allocated (``active_allocated``) on ``device`` in a snapshot's
     ``segments``."""
@@ -113,7 +149,10 @@ class HistoryReplay:
     """A replay of the cell's entries in block sizes. ``start`` is the level before them, ``peak`` the highest
     level and ``peak_entry`` the number of entries applied there, ``end`` the level after them; ``estimated``
     counts the large blocks whose size the trace does not determine (taken as their rounded request: each may
-    be up to 1 MiB larger); ``oom`` is the rounded size of the last failed request."""
+    be up to 1 MiB larger, more with ``max_split_size_mb``); ``slack``: by how much the levels may read high
+    (frees of such blocks made before the window, taken as their rounded request); ``live_peak``: the most blocks
+    alive at once, above those alive before (``allocation.all.current`` counts them); ``frees``: the action the
+    frees were read from; ``oom`` is the rounded size of the last failed request."""
 
     start: int
     peak: int
@@ -122,18 +161,24 @@ class HistoryReplay:
     entries: int
     estimated: int
     oom: int | None
+    slack: int = 0
+    live_peak: int = 0
+    frees: str = "free_requested"
 
 
 def replay_blocks(entries: Sequence[Mapping[str, Any]], *, start: int | None = None, end: int | None = None,
-                  blocks_at_end: Mapping[int, int] | None = None) -> HistoryReplay:
+                  blocks_at_end: Mapping[int, int] | None = None,
+                  settings: AllocatorSettings = DEFAULT_SETTINGS) -> HistoryReplay:
     """Replay ``entries`` (the cell's window) in block sizes, from ``start`` bytes allocated (the counters
-    before the cell) or back from ``end`` (the counters after it; for a window that lost its start).
+    before the cell) or back from ``end`` (the counters after it; for a window that lost its start), under the
+    allocator's ``settings`` (the snapshot's ``allocator_settings``).
 
     A block's size is known exactly when it is small (requests of up to 1 MiB are always split off at their
-    rounded size), when a segment was made for it (the ``segment_alloc`` just before it, at its address), or when
-    it is still allocated at the end (``blocks_at_end``, from the snapshot's segments). Otherwise it is its
-    rounded request. Frees apply at ``free_requested`` (where ``allocated_bytes`` drops); a trace without any
-    (``skip_actions``) frees at ``free_completed``."""
+    rounded size), with expandable segments (every block is split at its rounded size), when a segment was made
+    for it (the ``segment_alloc`` just before it, at its address), or when it is still allocated at the end
+    (``blocks_at_end``, from the snapshot's segments). Otherwise it is its rounded request. Frees apply at
+    ``free_requested`` (where ``allocated_bytes`` drops); a trace without any (``skip_actions``) frees at
+    ``free_completed``."""
     blocks_at_end = blocks_at_end or {}
     frees = "free_requested" if any(e.get("action") == "free_requested" for e in entries) else "free_completed"
     last_alloc: dict[int, int] = {}
@@ -142,7 +187,8 @@ def replay_blocks(entries: Sequence[Mapping[str, Any]], *, start: int | None = N
             last_alloc[int(e["addr"])] = i
     live: dict[int, int] = {}
     deltas: list[int] = []
-    estimated = 0
+    estimated = slack = 0
+    count = live_peak = 0
     new_segment: dict[int, int] = {}
     oom = None
     for i, e in enumerate(entries):
@@ -156,21 +202,26 @@ def replay_blocks(entries: Sequence[Mapping[str, Any]], *, start: int | None = N
             if last_alloc.get(addr) == i and addr in blocks_at_end:
                 size = blocks_at_end[addr]
             elif segment is not None:
-                size = block_size(request, segment)
+                size = block_size(request, segment, settings)
             else:
-                size = round_size(request)
-                if not is_small(size):
+                size = round_size(request, settings)
+                if settings.max_remainder(size):
                     estimated += 1
             live[addr] = size
             deltas.append(size)
+            count += 1
+            live_peak = max(live_peak, count)
         elif action == frees:
             addr = int(e["addr"])
             size = live.pop(addr, None)
             if size is None:  # allocated before the window
-                size = round_size(int(e["size"]))
-                if not is_small(size):
+                size = round_size(int(e["size"]), settings)
+                extra = settings.max_remainder(size)
+                if extra:
                     estimated += 1
+                    slack += extra
             deltas.append(-size)
+            count -= 1
         else:
             if action == "oom":
                 oom = int(e["size"])
@@ -184,8 +235,9 @@ def replay_blocks(entries: Sequence[Mapping[str, Any]], *, start: int | None = N
         level += d
         if level > peak:
             peak, peak_entry = level, i
-    return HistoryReplay(start, peak, peak_entry, start + total, len(entries), estimated, oom)
+    return HistoryReplay(start, peak, peak_entry, start + total, len(entries), estimated, oom, slack, live_peak,
+                         frees)
 
 
 __all__ = ["COUNTERS", "HistoryReplay", "Window", "cell_window", "end_blocks", "expected_entries",
-           "replay_blocks"]
+           "replay_blocks", "skipped_actions"]

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .collectives import tp_collective
 from .scratch_ops import uses_scratch
 from .torch_private import DYNAMO_MODULE, TRACING_TENSORS_PACKAGE, has_kernel_for_dispatch_key
 from .torch_private import pop_mode as _pop_mode
@@ -47,10 +48,12 @@ SCOPE_ENTER = getattr(getattr(torch.ops.profiler, "_record_function_enter_new", 
 SCOPE_EXIT = getattr(getattr(torch.ops.profiler, "_record_function_exit", None), "_RecordFunction", None)
 
 # What skips() says of an op besides True and False: a named scope opens or closes, the op's only kernel is its
-# decomposition, its kernel allocates inside itself (scratch_ops.py).
+# decomposition, its kernel allocates inside itself (scratch_ops.py), it is a collective of tensor parallelism
+# whose output is named after it (collectives.py).
 SCOPE_IN, SCOPE_OUT = object(), object()
 DECOMPOSE = object()
 SCRATCH_OP = object()
+COLLECTIVE = object()
 MM, ADDMM = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
 
 # id(op) -> the decision
@@ -106,7 +109,8 @@ def skips(func: Any) -> Any:
     """Ops whose every output aliases an input and cannot grow its storage (in-place ops, views): ``True``; the
     scope ops are skipped too, with :data:`SCOPE_IN` or :data:`SCOPE_OUT` in place of ``True``; :data:`DECOMPOSE`
     for an op whose only kernel is its decomposition (it reaches a mode whole only under inference_mode);
-    :data:`SCRATCH_OP` for one whose CPU kernel allocates inside itself."""
+    :data:`SCRATCH_OP` for one whose CPU kernel allocates inside itself; :data:`COLLECTIVE` for a functional
+    collective's op (not skipped: what it returns is counted, then named)."""
     if func is SCOPE_ENTER or func is SCOPE_EXIT:
         hit: Any = SCOPE_IN if func is SCOPE_ENTER else SCOPE_OUT
         SKIPPING[decided(func)] = hit
@@ -117,7 +121,9 @@ def skips(func: Any) -> Any:
             and func not in FRESH
     except AttributeError:
         hit = False
-    if not hit and is_composite(func):
+    if not hit and tp_collective(func) is not None:
+        hit = COLLECTIVE
+    elif not hit and is_composite(func):
         hit = DECOMPOSE
     elif not hit and uses_scratch(func):
         hit = SCRATCH_OP
@@ -164,6 +170,6 @@ def run_decomposed(mode: Any, func: Any, args: Any, kwargs: Any) -> Any:
         _pop_mode()
 
 
-__all__ = ["ADDMM", "ALIASING", "COMPILER", "DECIDED", "DECOMPOSE", "DYNAMO", "FRESH", "FRESH_IDS", "LOADED", "MM",
-           "RESIZING", "SCOPE_ENTER", "SCOPE_EXIT", "SCOPE_IN", "SCOPE_OUT", "SCRATCH_OP", "SKIPPING", "aliases",
-           "decided", "defers", "is_compiling", "is_composite", "resizes", "run_decomposed", "skips"]
+__all__ = ["ADDMM", "ALIASING", "COLLECTIVE", "COMPILER", "DECIDED", "DECOMPOSE", "DYNAMO", "FRESH", "FRESH_IDS",
+           "LOADED", "MM", "RESIZING", "SCOPE_ENTER", "SCOPE_EXIT", "SCOPE_IN", "SCOPE_OUT", "SCRATCH_OP", "SKIPPING",
+           "aliases", "decided", "defers", "is_compiling", "is_composite", "resizes", "run_decomposed", "skips"]

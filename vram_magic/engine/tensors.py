@@ -56,8 +56,10 @@ def storage_parts(t: Any, depth: int = 0) -> list[tuple[Any, str]] | None:
 
 def wrapper_kind(t: Any, cls: type) -> str:
     """What a wrapper subclass's parts are called in a report: a ``DTensor`` sharded across ranks (FSDP2's
-    parameters, their gradients and optimizer state) holds only its rank's shard, and says so; others go by
-    their class name."""
+    parameters, tensor parallelism's ``ColwiseParallel`` and ``RowwiseParallel`` weights, their gradients and
+    optimizer state) holds only its rank's shard, and says so; a replicated one (a ``RowwiseParallel`` bias)
+    holds the whole tensor on every rank; a partial one (a sum waiting for its all-reduce) holds this rank's
+    part of the sum. Others go by their class name."""
     if cls.__name__ == "DTensor":
         try:
             placements = t.placements
@@ -65,6 +67,8 @@ def wrapper_kind(t: Any, cls: type) -> str:
                 return "sharded"
             if all(p.is_replicate() for p in placements):
                 return "replicated"
+            if any(p.is_partial() for p in placements):
+                return "partial"
         except Exception:
             pass
     return subclass_format(cls) or cls.__name__

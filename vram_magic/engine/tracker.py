@@ -30,6 +30,7 @@ from .oom import name_holders
 from .op_kinds import (
     ADDMM,
     ALIASING,
+    COLLECTIVE,
     COMPILER,
     DECOMPOSE,
     DYNAMO,
@@ -485,7 +486,9 @@ class Tracker(GenerationStages, CollectiveScopes, TorchDispatchMode):
         out = (func._op if type(func) is _OpOverload else func)(*args, **(kwargs or {}))
         # In-place ops and views return an input's storage (known, or alive before the block): nothing new.
         if skip:
-            if skip is not True:  # a named scope opens or closes
+            if skip is not True:  # a named scope opens or closes, or a collective returned (collectives.py)
+                if skip is COLLECTIVE:
+                    return self.collective_done(func, args, out)
                 (self.scope_entered if skip is SCOPE_IN else self.scope_exited)(args, out)
             return out
         # torch.compile tracing: stay out of its graph

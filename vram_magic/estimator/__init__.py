@@ -13,7 +13,7 @@ from .options import make_options
 from .replay import StepRerun, Target, make_target, search_max
 from .result import Estimate, Strategy
 from .step.trace import EstimateError, Request
-from .target.cuda import CudaModel
+from .target.cuda import CudaModel, with_allocator
 from .target.gpus import GPU, GPUS, find_gpu
 
 
@@ -40,6 +40,7 @@ def estimate(
     gpu: str | GPU | None = None,
     budget: int | str | None = None,
     cuda: CudaModel | None = None,
+    alloc_conf: str | None = None,
     what_if: bool = False,
     max_batch: bool = False,
     max_seq: bool = False,
@@ -71,7 +72,10 @@ def estimate(
     with PEFT is estimated as it is.
     ``device="cuda"`` models a GPU (default), ``"cpu"`` a CPU run. ``gpu`` (a name from :data:`GPUS`) or
     ``budget`` (``"24GiB"``) sets the capacity for the fit verdict; ``cuda``: a :class:`CudaModel` with other
-    constants for what CUDA adds (its context, the cuBLAS and cuDNN workspaces). ``what_if`` adds the strategy table;
+    constants for what CUDA adds (its context, the cuBLAS and cuDNN workspaces). ``alloc_conf``: the caching
+    allocator's settings in ``PYTORCH_CUDA_ALLOC_CONF``'s syntax (``"expandable_segments:True"``,
+    ``"max_split_size_mb:512"``, ``"roundup_power2_divisions:4"``; default: that variable's value here), modelled
+    in the block sizes and reserved memory and named in the notes. ``what_if`` adds the strategy table;
     ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1
     of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial.
 
@@ -92,14 +96,20 @@ def estimate(
                                     world=world, offload=offload, lora=lora, master_weights=master_weights,
                                     loss_fn=loss_fn))
         gen_opts = make_options(inference=True, dtype=dtype, amp=amp, device=device, quantize=quantize)
-        return estimate_generate(model, inputs, gen_opts, make_target(gpu, budget, cuda), new_tokens=generate,
-                                 cache_implementation=cache_implementation, num_beams=num_beams, what_if=what_if,
-                                 max_seq=max_seq, max_batch=max_batch, progress=progress)
+        target = make_target(gpu, budget, with_allocator(cuda, alloc_conf))
+        est = estimate_generate(model, inputs, gen_opts, target, new_tokens=generate,
+                                cache_implementation=cache_implementation, num_beams=num_beams, what_if=what_if,
+                                max_seq=max_seq, max_batch=max_batch, progress=progress)
+        settings = target.cuda.allocator
+        if device == "cuda" and not settings.is_default:  # the decoding loop's replay keeps the default rules
+            est = replace(est, notes=(*est.notes, settings.note("not modelled for generate(): the estimate used the "
+                                                                "default rules, not those")))
+        return est
     # --- a training or inference step ------------------------------------------------------------------------
     opts = make_options(optimizer=optimizer, inference=inference, dtype=dtype, amp=amp, master_weights=master_weights,
                         checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp, world=world,
                         offload=offload, device=device, steps=steps, quantize=quantize, lora=lora)
-    target = make_target(gpu, budget, cuda)
+    target = make_target(gpu, budget, with_allocator(cuda, alloc_conf))
     if (max_batch or max_seq) and target.capacity is None:
         raise ValueError("max_batch/max_seq need a capacity: give gpu='A100-80GB' (or another known GPU) or "
                          "budget='24GiB'")

@@ -52,6 +52,9 @@ OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                    "the model frozen (with --quantize nf4: QLoRA)"}),
     (("--gpu",), {"help": "a GPU from the catalogue, e.g. A100-80GB, RTX-4090, T4"}),
     (("--budget",), {"metavar": "SIZE", "help": "device memory to fit into, e.g. 24GiB"}),
+    (("--alloc-conf",), {"metavar": "SETTINGS", "help": "the CUDA caching allocator's settings, as "
+                         "PYTORCH_CUDA_ALLOC_CONF takes them (e.g. expandable_segments:True, max_split_size_mb:512, "
+                         "roundup_power2_divisions:4; default: that variable's value)"}),
     (("--device",), {"default": "cuda", "help": "cuda (model a GPU, the default) or cpu (model a CPU run)"}),
     (("--max-batch",), {"action": "store_true", "help": "search the largest batch that fits --gpu/--budget"}),
     (("--max-seq",), {"action": "store_true", "help": "search the longest sequence (input dimension 1) that fits"}),
@@ -183,6 +186,7 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         optimizer=optimizer, inference=args.inference, dtype=args.dtype, amp=args.amp,
         master_weights=args.master_weights, checkpointing=args.checkpointing, accumulate=args.accumulate,
         zero=args.zero, fsdp=args.fsdp, world=args.world, offload=args.offload, gpu=args.gpu, budget=args.budget,
+        alloc_conf=getattr(args, "alloc_conf", None),
         quantize=args.quantize, lora=args.lora,
         device=args.device, what_if=args.what_if, max_batch=args.max_batch, max_seq=args.max_seq,
     )

@@ -233,9 +233,11 @@ def cuda_side(trace: StepTrace, opts: Options, target: Target, sizes: dict[int, 
     workspace, workspace_note = cm.workspace(target.gpu)
     handles = (1 if opts.inference else 2) if trace.uses_matmul else 0  # the forward's thread and autograd's
     layout = allocator_layout(trace.initial, trace.events, sizes, persistent=[workspace] * handles, spikes=spikes,
-                              window=window)
+                              window=window, settings=cm.allocator)
     blocks = {s: layout.blocks.get(s, n) for s, n in sizes.items()}
     notes = (workspace_note,) if handles and target.gpu is None and workspace_note else ()
+    if not cm.allocator.is_default or cm.allocator.unmodelled:
+        notes += (cm.allocator.note("PyTorch's caching allocator is simulated"),)
     return CudaSide(blocks, layout.peak_reserved, workspace * handles, cm.context, notes)
 
 

@@ -23,9 +23,22 @@ from ..engine.torch_private import push_mode as push_mode
 
 # --- fake tensors (torch/_subclasses/fake_tensor.py) -------------------------------------------------------
 
-#: The mode that makes every tensor a fake one (shapes, dtypes, devices; no memory). Checked on torch 2.5.1,
-#: 2.13, 2.15.
-FakeTensorMode = _fake_tensor.FakeTensorMode
+class FakeTensorMode(_fake_tensor.FakeTensorMode):
+    """The mode that makes every tensor a fake one (shapes, dtypes, devices; no memory), told that no device is
+    there to initialise. PyTorch's own ``avoid_device_init`` asks ``torch.cuda.is_available()``, which runs
+    ``cuInit`` on a GPU machine (forked children could no longer use CUDA) and would make a fake run there differ
+    from one on a CPU-only machine (constants moved to a device folded or not): the estimate runs on fake CPU tensors
+    wherever it runs. A property on 2.5.1, 2.13 and 2.15 (the setter takes an older release's assignment)."""
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return True
+
+    @avoid_device_init.setter
+    def avoid_device_init(self, value: bool) -> None:
+        pass
+
+
 #: A fake tensor's class. Checked on torch 2.5.1, 2.13, 2.15.
 FakeTensor = _fake_tensor.FakeTensor
 #: ``copy.deepcopy`` under it turns real tensors into fake ones. Checked on torch 2.5.1, 2.13, 2.15.

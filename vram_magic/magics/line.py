@@ -25,10 +25,10 @@ LINE_HELP = (
 
 
 def devices() -> list[str]:
-    """The CPU and every visible GPU (never initialises CUDA)."""
-    import torch
+    """The CPU and every visible GPU (never initialises CUDA: NVML counts them)."""
+    from ..engine.cuda import device_count
 
-    return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
+    return ["cpu"] + [f"cuda:{i}" for i in range(device_count())]
 
 
 def line_command(host: Host, line: str) -> Any:

@@ -106,9 +106,9 @@ class _RankRun:
     """The measurement of this process as a rank, from joining the job to leaving it."""
 
     def __init__(self, folder: str, frame: Any) -> None:
-        import torch
         import torch.distributed as dist
 
+        from ..engine import cuda
         from ..engine.cell import Measurement
         from ..engine.registry import LiveStorages
 
@@ -117,8 +117,9 @@ class _RankRun:
         self.world = dist.get_world_size()
         self.backend = str(dist.get_backend())
         device = "cpu"
-        if "nccl" in self.backend and torch.cuda.is_available():
-            local = int(os.environ.get("LOCAL_RANK", self.rank % max(torch.cuda.device_count(), 1)))
+        gpus = cuda.device_count()  # NVML's count: is_available() would initialise the driver to look
+        if "nccl" in self.backend and gpus:
+            local = int(os.environ.get("LOCAL_RANK", self.rank % gpus))
             device = f"cuda:{local}"
         self.launcher = _launcher()
         self.namespace = _Namespace(_user_frame(frame))

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ...units import format_bytes
 from ..options import Options
 from ..result import Estimate, Strategy
 from ..step.trace import EstimateError
@@ -82,7 +83,8 @@ def generate_what_if(base: Estimate) -> list[Strategy]:
     opts, gen, spec = base.options, base.generation, spec_of(base)
     assert opts is not None
     per_seq = gen.total_flops / max(gen.batch, 1)
-    rows = [Strategy("baseline: " + base.description, base.peak.total, base.needed, 0, 1.0, 1.0, base.fits)]
+    rows = [Strategy("baseline: " + base.description, base.peak.total, base.needed, 0, 1.0, 1.0, base.fits,
+                     stranded_note(gen).lstrip("; "))]
     for name, opt_changes, spec_changes, steps, note in candidates(opts, spec, gen):
         try:
             est = rerun.evaluate(opts.with_(**opt_changes), **spec_changes)
@@ -94,8 +96,16 @@ def generate_what_if(base: Estimate) -> list[Strategy]:
         g = est.generation
         compute = (g.total_flops / max(g.batch, 1)) / per_seq if per_seq and g is not None else 1.0
         rows.append(Strategy(name, est.peak.total, est.needed, est.needed - base.needed, compute, steps, est.fits,
-                             note))
+                             note + stranded_note(g)))
     return rows
 
 
-__all__ = ["candidates", "generate_what_if"]
+def stranded_note(gen: Generation | None) -> str:
+    """What of a row's need is free space the caching allocator cannot give back, when it is a tenth of it or more
+    (a freed block split for a smaller tensor): a row can need gigabytes more than its neighbour for it."""
+    if gen is None or not gen.stranded_by or not gen.stranded:
+        return ""
+    return f"; needs {format_bytes(gen.stranded)} free inside segments in use: {gen.stranded_by}"
+
+
+__all__ = ["candidates", "generate_what_if", "stranded_note"]

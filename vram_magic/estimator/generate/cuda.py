@@ -45,66 +45,106 @@ class GenerateTracer(StepTracer):
         return self.attention.kernels if self.attention is not None else Counter()
 
 
+@dataclass(frozen=True)
+class Stranded:
+    """A segment holding live blocks beside free space it cannot give back: ``segment`` bytes, ``free`` of them
+    unused; ``made_for``: the tag of the request it was made for; ``holders``: tags and block sizes of the live
+    blocks in it, largest first (at most three)."""
+
+    segment: int
+    free: int
+    made_for: Any
+    holders: tuple[tuple[Any, int], ...]
+
+
 @dataclass
 class PinnedAllocator(CachingAllocator):
     """The caching allocator, also counting the bytes of the segments that hold a live block (``pinned``): what it
     cannot give back to the device. When ``cudaMalloc`` fails, PyTorch's allocator frees every cached segment that
     is entirely free and tries again, so a GPU needs ``peak_pinned``, not the ``peak_reserved`` it reaches when it
-    has room to spare."""
+    has room to spare.
+
+    ``peak_pinned`` is ``in_use`` (the live blocks when the peak is reached) plus the free space inside the segments
+    that hold them: a freed block split for a smaller request (best fit takes the smallest free block that is
+    large enough, and splits it) stays reserved while any part of it is in use, and a request larger than every
+    free block gets a segment of its own. ``stranded``: the largest such segments at the peak (``malloc``'s
+    ``tag`` names their blocks)."""
 
     pinned: int = 0
     peak_pinned: int = 0
+    in_use: int = 0  # allocated when peak_pinned was reached
+    stranded: tuple[Stranded, ...] = ()
     _pin_bases: list[int] = field(default_factory=list)
     _pin_segment: dict[int, int] = field(default_factory=dict)  # base -> bytes
-    _pin_count: dict[int, int] = field(default_factory=dict)  # base -> live blocks
+    _pin_made_for: dict[int, Any] = field(default_factory=dict)  # base -> tag of the request that made it
+    _pin_live: dict[int, dict[int, Any]] = field(default_factory=dict)  # base -> {handle: tag} of its live blocks
+    _pin_used: dict[int, int] = field(default_factory=dict)  # base -> bytes of its live blocks
     _pin_base: dict[int, int] = field(default_factory=dict)  # handle -> base
 
-    def malloc(self, nbytes: int) -> int:
+    def malloc(self, nbytes: int, tag: Any = None) -> int:
         before = self.reserved
         handle = super().malloc(nbytes)
         if not handle:
             return 0
-        addr = self._live[handle].addr  # the block's address (a segment's first block starts at its base)
+        block = self._live[handle]  # a segment's first block starts at its base
         if self.reserved > before:
-            bisect.insort(self._pin_bases, addr)
-            self._pin_segment[addr] = self.reserved - before
-        base = self._pin_bases[bisect.bisect_right(self._pin_bases, addr) - 1]
+            bisect.insort(self._pin_bases, block.addr)
+            self._pin_segment[block.addr] = self.reserved - before
+            self._pin_made_for[block.addr] = tag
+        base = self._pin_bases[bisect.bisect_right(self._pin_bases, block.addr) - 1]
         self._pin_base[handle] = base
-        self._pin_count[base] = self._pin_count.get(base, 0) + 1
-        if self._pin_count[base] == 1:
+        live = self._pin_live.setdefault(base, {})
+        live[handle] = tag
+        self._pin_used[base] = self._pin_used.get(base, 0) + block.size
+        if len(live) == 1:
             self.pinned += self._pin_segment[base]
-            self.peak_pinned = max(self.peak_pinned, self.pinned)
+            if self.pinned > self.peak_pinned:
+                self.peak_pinned, self.in_use = self.pinned, self.allocated
+                self.stranded = self._stranded()
         return handle
 
     def free(self, handle: int) -> None:
         base = self._pin_base.pop(handle, None)
         if base is not None:
-            self._pin_count[base] -= 1
-            if not self._pin_count[base]:
+            live = self._pin_live[base]
+            del live[handle]
+            self._pin_used[base] -= self._live[handle].size
+            if not live:
                 self.pinned -= self._pin_segment[base]
         super().free(handle)
 
+    def _stranded(self, top: int = 3) -> tuple[Stranded, ...]:
+        worst = sorted(((self._pin_segment[b] - used, b) for b, used in self._pin_used.items()
+                        if self._pin_live[b] and self._pin_segment[b] > used), reverse=True)[:top]
+        out = []
+        for free, b in worst:
+            holders = sorted(((tag, self._live[h].size) for h, tag in self._pin_live[b].items()),
+                             key=lambda x: -x[1])[:3]
+            out.append(Stranded(self._pin_segment[b], free, self._pin_made_for.get(b), tuple(holders)))
+        return tuple(out)
 
-def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapping[int, int],
-                      bounds: tuple[int, int, int, int, int, int], steps: int, first: int, cached: int, *,
-                      slot: Mapping[int, str], replaced: Mapping[int, int], token_bytes: Mapping[int, int],
-                      persistent: Iterable[int] = ()) -> tuple[int, int, int, int] | None:
-    """``(peak reserved, reserved at the end, allocated at the end, peak pinned)`` of the whole loop replayed
-    through the caching allocator (:class:`PinnedAllocator`): the trace up to the jump, then steps ``first`` ..
-    ``steps`` made from the traced last step, each allocation at the size it has at that step (a cache tensor
-    of ``b`` bytes per token holds ``min(cached + step, its length in the last step)`` tokens; the loop's own
-    tensors are between their sizes before the jump and in the last step).
 
-    ``bounds``: the event indices where the forward before the jump ended (its bookkeeping follows), where the
-    jump starts and ends, where the last step starts, where its forward ends, and where the loop ends;
-    ``cached``: tokens in the cache after the prefill; ``slot``: cache storages by slot (``layers[3].keys``);
-    ``replaced``: storage the jump made → the one it stands in for; ``token_bytes``: a cache storage's bytes
-    per token; ``persistent``: sizes allocated once after the initial storages (cuBLAS workspaces).
-    Transient small-pool allocations (≤ 1 MiB, made and freed within a step) repeat identically and are
-    left out. ``None`` when the steps do not line up."""
-    b0, j0, j1, sl, bl, end = bounds
-    if not (b0 <= j0 <= j1 <= sl <= bl <= end) or steps < first:
-        return None
+@dataclass(frozen=True)
+class LoopReplay:
+    """What :func:`unrolled_reserved` found: the reserved peak (room to spare), reserved and allocated when the loop
+    ends, the peak of the segments holding live blocks (what a GPU needs), the live blocks then (``in_use``) and
+    the segments whose free space was stranded then (:class:`Stranded`; tags are serials of the trace, or
+    ``(serial, step)`` for a decoding step's tensor made from the traced last step)."""
+
+    peak_reserved: int
+    reserved: int
+    allocated: int
+    peak_pinned: int
+    in_use: int
+    stranded: tuple[Stranded, ...] = ()
+
+
+def _loop_template(events: Sequence[int], sizes: Mapping[int, int], bounds: tuple[int, int, int, int, int, int],
+                   slot: Mapping[int, str], replaced: Mapping[int, int]) -> Any:
+    """The traced last step as a template: ``(its allocations, the loop's tensors before the jump → their place in
+    it, cache slots → their place, [(+1 alloc / -1 free of this step's / -2 free of the previous step's, place)],
+    base sizes)``, or ``None`` when the steps do not line up."""
+    b0, j0, _j1, sl, bl, end = bounds
     a_last = [e for e in events[sl:end] if e > 0]
     bk_prev = [e for e in events[b0:j0] if e > 0]
     bk_last = [e for e in events[bl:end] if e > 0]
@@ -113,7 +153,7 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
     pos = {s: i for i, s in enumerate(a_last)}
     role = {s: pos[t] for s, t in zip(bk_prev, bk_last)}  # the loop's tensors: before the jump -> last step
     by_path = {slot[s]: i for s, i in pos.items() if s in slot}
-    template: list[tuple[int, int]] = []  # (+1 alloc / -1 free of this step's / -2 free of the previous step's, pos)
+    template: list[tuple[int, int]] = []
     freed_here: set[int] = set()
     for e in events[sl:end]:
         if e > 0:
@@ -135,6 +175,32 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
     small = 1 << 20
     template = [(k, p) for k, p in template
                 if k == -2 or p not in freed_here or max(sizes[a_last[p]], base.get(p, 0)) > small]
+    return a_last, role, by_path, template, base
+
+
+def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapping[int, int],
+                      bounds: tuple[int, int, int, int, int, int], steps: int, first: int, cached: int, *,
+                      slot: Mapping[int, str], replaced: Mapping[int, int], token_bytes: Mapping[int, int],
+                      persistent: Iterable[int] = ()) -> LoopReplay | None:
+    """The whole loop replayed through the caching allocator (:class:`PinnedAllocator`): the trace up to the jump,
+    then steps ``first`` .. ``steps`` made from the traced last step, each allocation at the size it has at that
+    step (a cache tensor of ``b`` bytes per token holds ``min(cached + step, its length in the last step)``
+    tokens; the loop's own tensors are between their sizes before the jump and in the last step).
+
+    ``bounds``: the event indices where the forward before the jump ended (its bookkeeping follows), where the
+    jump starts and ends, where the last step starts, where its forward ends, and where the loop ends;
+    ``cached``: tokens in the cache after the prefill; ``slot``: cache storages by slot (``layers[3].keys``);
+    ``replaced``: storage the jump made → the one it stands in for; ``token_bytes``: a cache storage's bytes
+    per token; ``persistent``: sizes allocated once after the initial storages (cuBLAS workspaces, tagged
+    ``"workspace"``). Transient small-pool allocations (≤ 1 MiB, made and freed within a step) repeat identically
+    and are left out. ``None`` when the steps do not line up."""
+    b0, j0, j1, sl, bl, end = bounds
+    if not (b0 <= j0 <= j1 <= sl <= bl <= end) or steps < first:
+        return None
+    made = _loop_template(events, sizes, bounds, slot, replaced)
+    if made is None:
+        return None
+    a_last, role, by_path, template, base = made
 
     def size(p: int, m: int) -> int:
         s = a_last[p]
@@ -148,12 +214,12 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
     a = PinnedAllocator()
     handles: dict[int, int] = {}
     for s in initial:
-        handles[s] = a.malloc(sizes[s])
+        handles[s] = a.malloc(sizes[s], s)
     for n in persistent:
-        a.malloc(n)
+        a.malloc(n, "workspace")
     for e in events[:j0]:
         if e > 0:
-            handles[e] = a.malloc(sizes[e])
+            handles[e] = a.malloc(sizes[e], e)
         else:
             a.free(handles.pop(-e, 0))
     previous = [0] * len(a_last)
@@ -165,7 +231,7 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
         current = [0] * len(a_last)
         for kind, p in template:
             if kind == 1:
-                current[p] = a.malloc(size(p, m))
+                current[p] = a.malloc(size(p, m), (a_last[p], m))
             elif kind == -1:
                 a.free(current[p])
                 current[p] = 0
@@ -173,7 +239,8 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
                 a.free(previous[p])
                 previous[p] = 0
         previous = current
-    return a.peak_reserved, a.reserved, a.allocated, a.peak_pinned
+    return LoopReplay(a.peak_reserved, a.reserved, a.allocated, a.peak_pinned, a.in_use, a.stranded)
 
 
-__all__ = ["DEFAULT_CAPABILITY", "GenerateTracer", "PinnedAllocator", "kernel_note", "sdpa_kernel", "unrolled_reserved"]
+__all__ = ["DEFAULT_CAPABILITY", "GenerateTracer", "LoopReplay", "PinnedAllocator", "Stranded", "kernel_note",
+           "sdpa_kernel", "unrolled_reserved"]

@@ -52,6 +52,11 @@ class Generation:
     jumped: int = 0  # decoding steps skipped by advancing the cache (the steps between are alike)
     encoder_length: int | None = None
     reserved_growth: int | None = None  # CUDA: reserved above allocated at the end of the loop (allocator replay)
+    # CUDA, the segments holding live blocks at their peak (what a GPU needs): the live blocks then, the free space
+    # inside those segments, and the segment holding most of it in words when it is a tenth of the need or more
+    in_use: int | None = None
+    stranded: int | None = None
+    stranded_by: str = ""
     sdpa: tuple[tuple[str, int], ...] = ()  # CUDA: SDPA kernels modelled, with their counts
     flops_prefill: int = 0
     flops_decode: int = 0  # one decoding step at the longest cache

@@ -13,7 +13,7 @@ from ..options import Options
 from ..replay import Target, from_trace
 from ..result import Estimate, Strategy
 from ..step.trace import EstimateError, Request, StepTrace
-from .cuda import DEFAULT_CAPABILITY, kernel_note, unrolled_reserved
+from .cuda import DEFAULT_CAPABILITY, LoopReplay, kernel_note, unrolled_reserved
 from .facts import GenerateSpec, Generation, spec_of
 from .trace import GROWTH, KV, MARK, describe, make_spec, trace_generate
 
@@ -61,19 +61,9 @@ def evaluate_generate(request: Request, opts: Options, spec: GenerateSpec, targe
         note = kernel_note(dict(facts.get("kernels", {})), cap, target.gpu is not None)
         if note:
             notes.append(note)
-        grown = _reserved(trace, facts, spec, opts, target)
-        if grown is not None:
-            peak_reserved, growth, pinned = grown
-            reserved = max(est.reserved, peak_reserved)
-            gen = replace(gen, reserved_growth=growth)
-            needed = max(pinned, est.peak.total) + est.context
-            est = replace(est, reserved=reserved, needed=needed,
-                          fits=None if est.capacity is None else needed <= est.capacity)
-            notes.append(f"the caching allocator replayed over all {spec.new_tokens - 1} decoding steps (the cache "
-                         f"asks for one token more per layer each step): with room to spare it reserves up to "
-                         f"{format_bytes(reserved)}, {format_bytes(growth)} above allocated when the loop ends; a "
-                         f"GPU needs the {format_bytes(pinned)} of segments holding live blocks at their peak (the "
-                         "allocator frees its cached segments when cudaMalloc fails) + the CUDA context")
+        est, gen, replayed = _allocator_replay(est, gen, trace, facts, spec, opts, target)
+        if replayed:
+            notes.append(replayed)
         if spec.cache_implementation in ("static", "offloaded_static"):
             notes.append("on CUDA, generate() compiles the decoding step for a static cache (torch.compile "
                          "'reduce-overhead': CUDA graphs with their own memory pool), not modelled")
@@ -137,8 +127,58 @@ def _generation(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec) -> 
         sdpa=tuple(sorted(dict(facts.get("kernels", {})).items())))
 
 
+def _allocator_replay(est: Estimate, gen: Generation, trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec,
+                      opts: Options, target: Target) -> tuple[Estimate, Generation, str]:
+    """The estimate and its facts with what the caching allocator's replay of the whole loop says, and its note
+    (``""``: the steps do not line up, nothing replayed)."""
+    replay = _reserved(trace, facts, spec, opts, target)
+    if replay is None:
+        return est, gen, ""
+    reserved = max(est.reserved, replay.peak_reserved)
+    growth = max(replay.reserved - replay.allocated, 0)
+    pinned = replay.peak_pinned
+    stranded = max(pinned - replay.in_use, 0)
+    why = stranded_reason(replay.stranded, trace, pinned)
+    gen = replace(gen, reserved_growth=growth, in_use=replay.in_use, stranded=stranded, stranded_by=why)
+    needed = max(pinned, est.peak.total) + est.context
+    est = replace(est, reserved=reserved, needed=needed, fits=None if est.capacity is None else needed <= est.capacity)
+    note = (f"the caching allocator replayed over all {spec.new_tokens - 1} decoding steps (the cache asks for one "
+            f"token more per layer each step): with room to spare it reserves up to {format_bytes(reserved)}, "
+            f"{format_bytes(growth)} above allocated when the loop ends; a GPU needs the {format_bytes(pinned)} of "
+            "segments holding live blocks at their peak (the allocator frees its cached segments when cudaMalloc "
+            f"fails) + the CUDA context: {format_bytes(replay.in_use)} in use then and {format_bytes(stranded)} free "
+            "inside those segments (a free block is split for a smaller request when no smaller one is large enough, "
+            "and a segment goes back to the device only when nothing in it is in use)")
+    if why:
+        note += f"; {why}"
+    return est, gen, note
+
+
+def stranded_reason(stranded: Any, trace: StepTrace, needed: int) -> str:
+    """Words for the largest segment whose free space counts in what a GPU needs, when it holds a tenth of it or
+    more: what it was made for and what keeps it (``""`` otherwise)."""
+    if not stranded or stranded[0].free * 10 < needed:
+        return ""
+    top = stranded[0]
+    holder, size = top.holders[0] if top.holders else (None, 0)
+    return (f"{format_bytes(top.free)} of it in a {format_bytes(top.segment)} segment made for "
+            f"{_tag_name(top.made_for, trace)}, which {_tag_name(holder, trace)} ({format_bytes(size)}) keeps "
+            "from being given back")
+
+
+def _tag_name(tag: Any, trace: StepTrace) -> str:
+    """What a block of the allocator's replay holds, in words (its module and label; its decoding step)."""
+    if tag == "workspace":
+        return "the cuBLAS workspace"
+    serial, step = tag if isinstance(tag, tuple) else (tag, None)
+    label = trace.owner.get(serial, ("", "a tensor"))[1] if isinstance(serial, int) else "a tensor"
+    module = trace.module.get(serial, "") if isinstance(serial, int) else ""
+    text = f"{module}'s {label}" if module else label
+    return text if step is None else f"{text} (decoding step {step})"
+
+
 def _reserved(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec, opts: Options,
-              target: Target) -> tuple[int, int, int] | None:
+              target: Target) -> LoopReplay | None:
     marks = trace.marks
     last = spec.new_tokens - 1
     keys = ("bookkeeping_before_jump", "jump_start", "jump_end", f"step{last}", "forward_done", "loop_end")
@@ -148,13 +188,9 @@ def _reserved(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec, opts:
     bounds = tuple(marks[k] for k in keys)
     first = max(s for s in facts["steps"] if s < last) + 1
     cached = facts["cached"]
-    out = unrolled_reserved(trace.initial, trace.events, trace.sizes, bounds, last, first, cached,  # type: ignore[arg-type]
-                            slot=facts["slot"], replaced=facts["replaced"], token_bytes=facts["token_bytes"],
-                            persistent=(workspace,))
-    if out is None:
-        return None
-    peak, reserved, allocated, pinned = out
-    return peak, max(reserved - allocated, 0), pinned
+    return unrolled_reserved(trace.initial, trace.events, trace.sizes, bounds, last, first, cached,  # type: ignore[arg-type]
+                             slot=facts["slot"], replaced=facts["replaced"], token_bytes=facts["token_bytes"],
+                             persistent=(workspace,))
 
 
 def loop_note(facts: dict[str, Any], spec: GenerateSpec) -> str:
@@ -276,4 +312,4 @@ def _tie_only(self: Any) -> None:
 
 
 __all__ = ["GenerateRerun", "check_training_options", "estimate_generate", "evaluate_generate", "generate_follow_ups",
-           "loop_note", "spec_of"]
+           "loop_note", "spec_of", "stranded_reason"]

@@ -21,9 +21,10 @@ algorithm); and the CUDA context, which lives outside PyTorch's allocator (``nvi
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
+from ...engine.alloc_conf import DEFAULT_SETTINGS, AllocatorSettings, parse_alloc_conf, settings_from_env
 from ...engine.caching_allocator import CachingAllocator
 
 if TYPE_CHECKING:
@@ -71,13 +72,14 @@ class Layout:
 
 def allocator_layout(initial: Iterable[int], events: Sequence[int], sizes: Mapping[int, int], *,
                      persistent: Iterable[int] = (), spikes: Mapping[int, int] | None = None,
-                     window: tuple[int, int, int] = (0, -1, 0)) -> Layout:
+                     window: tuple[int, int, int] = (0, -1, 0),
+                     settings: AllocatorSettings = DEFAULT_SETTINGS) -> Layout:
     """Replay a traced step (``initial`` serials alive at the start, then ``events``: +serial allocated,
     -serial freed) through :class:`CachingAllocator`. ``persistent``: sizes allocated once after the initial
     storages and kept (the cuBLAS workspaces, made by the first matmul). ``spikes``: bytes allocated and freed
     right after that many events (kernel workspaces); ``window = (first, last, bytes)``: bytes alive while
-    ``first <= events applied <= last`` (collective buffers)."""
-    a = CachingAllocator()
+    ``first <= events applied <= last`` (collective buffers); ``settings``: the allocator's configuration."""
+    a = CachingAllocator(settings=settings)
     handles: dict[int, int] = {}
     blocks: dict[int, int] = {}
 
@@ -114,6 +116,7 @@ class CudaModel:
     cublas_workspace: int | None = None  # None: chosen by the GPU (see cublas_workspace)
     cudnn_workspace: int = CUDNN_WORKSPACE
     context: int = CUDA_CONTEXT
+    allocator: AllocatorSettings = DEFAULT_SETTINGS  # PYTORCH_CUDA_ALLOC_CONF's block-size settings
 
     def workspace(self, gpu: GPU | None) -> tuple[int, str]:
         """Bytes of one cuBLAS handle's workspace, and a note saying where the figure comes from."""
@@ -122,5 +125,29 @@ class CudaModel:
         return cublas_workspace(gpu)
 
 
+def with_allocator(cuda: CudaModel | None, alloc_conf: Any = None) -> CudaModel | None:
+    """``cuda`` (a :class:`CudaModel`, or ``None`` for the default one) with the caching allocator's settings:
+    ``alloc_conf`` in ``PYTORCH_CUDA_ALLOC_CONF``'s syntax (``"expandable_segments:True"``) or as
+    ``AllocatorSettings``; ``None``: the model's own if it has any, else what ``PYTORCH_CUDA_ALLOC_CONF`` (or
+    ``PYTORCH_ALLOC_CONF``) says in this process, as PyTorch would read it on a GPU here."""
+    if cuda is not None and not isinstance(cuda, CudaModel):
+        return cuda  # make_target says what is wrong with it
+    if alloc_conf is None:
+        if cuda is not None and not cuda.allocator.is_default:
+            return cuda
+        settings = settings_from_env()
+        if settings.is_default and not settings.unmodelled:
+            return cuda
+    elif isinstance(alloc_conf, AllocatorSettings):
+        settings = alloc_conf
+    elif isinstance(alloc_conf, str):
+        settings = parse_alloc_conf(alloc_conf, source="alloc_conf=")
+    else:
+        raise TypeError(f"alloc_conf takes PYTORCH_CUDA_ALLOC_CONF's syntax, e.g. 'expandable_segments:True', not "
+                        f"{type(alloc_conf).__name__}")
+    base = cuda if isinstance(cuda, CudaModel) else CudaModel()
+    return replace(base, allocator=settings)
+
+
 __all__ = ["CUBLAS_WORKSPACE", "CUBLAS_WORKSPACE_LARGE", "CUDA_CONTEXT", "CUDNN_WORKSPACE", "CudaModel", "Layout",
-           "allocator_layout", "cublas_workspace"]
+           "allocator_layout", "cublas_workspace", "with_allocator"]
