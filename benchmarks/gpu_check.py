@@ -250,7 +250,7 @@ def detected_gpu():
         return find_gpu(name)
     except ValueError:
         props = torch.cuda.get_device_properties(0)
-        return GPU(name, int(props.total_memory), "detected", 0.0, capability=(props.major, props.minor))
+        return GPU(name, int(props.total_memory), "detected", capability=(props.major, props.minor))
 
 
 def estimate_one(name: str, dry: bool) -> None:

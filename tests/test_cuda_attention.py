@@ -19,9 +19,10 @@ from torch.nn import functional as F
 
 import vram_magic
 from vram_magic.estimator.options import make_options
-from vram_magic.estimator.step.trace import Request, trace_step
+from vram_magic.estimator.step.trace import trace_step
 from vram_magic.estimator.target.attention import CudaAttention, CudaKernelMode, rules_for, sdpa_kernel
 from vram_magic.estimator.torch_private import FakeTensorMode
+from vram_magic.estimator.tracing.request import Request
 
 A100, T4, H100, RTX4090 = (8, 0), (7, 5), (9, 0), (8, 9)
 

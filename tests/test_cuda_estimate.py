@@ -30,7 +30,7 @@ def test_blackwell_capabilities_take_32_mib():
     from vram_magic.estimator.target.gpus import GPU
 
     for cap in ((10, 0), (11, 0), (12, 0)):
-        gpu = GPU("future", 32 * 1024 * MiB, "blackwell", 1.0, capability=cap)
+        gpu = GPU("future", 32 * 1024 * MiB, "blackwell", capability=cap)
         assert cublas_workspace(gpu)[0] == 32 * MiB
 
 

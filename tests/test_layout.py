@@ -34,7 +34,8 @@ KNOWN_PREFIX_FOLDERS = {
 KNOWN_REEXPORTS: set[str] = set()
 # circles when a result's render methods count, their renderers' type-only imports aside
 KNOWN_RENDER_CIRCLES = {
-    frozenset({"vram_magic.estimator.render.generation", "vram_magic.estimator.render.step", "vram_magic.estimator.result"}),
+    frozenset({"vram_magic.estimator.render.generation", "vram_magic.estimator.render.step",
+               "vram_magic.estimator.result"}),
     frozenset({"vram_magic.ranks.render", "vram_magic.ranks.result"}),
 }
 # a result's text, HTML, plot and snapshot file come from its renderer, imported when the result is shown or saved

@@ -12,9 +12,10 @@ from typing import Any
 from .options import make_options
 from .replay import StepRerun, Target, make_target, search_max
 from .result import Estimate, Strategy
-from .step.trace import EstimateError, Request
 from .target.cuda import CudaModel, with_allocator
 from .target.gpus import GPU, GPUS, find_gpu
+from .tracing.errors import EstimateError
+from .tracing.request import Request
 
 
 def estimate(

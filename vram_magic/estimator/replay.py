@@ -13,10 +13,12 @@ from ..units import parse_size
 from .layouts.zero import Sharding, sharding_for
 from .options import Options, optimizer_name, short_dtype
 from .result import Estimate, Strategy
-from .step.trace import Request, StepTrace, trace_step
+from .step.trace import trace_step
 from .target.attention import target_capability
 from .target.cuda import CudaModel, allocator_layout
 from .target.gpus import GPU, find_gpu
+from .tracing.request import Request
+from .tracing.traced import Trace
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ def make_target(gpu: Any = None, budget: Any = None, cuda: CudaModel | None = No
     return Target(g, b, cuda or CudaModel())
 
 
-def replay(trace: StepTrace, sizes: dict[int, int], spikes: dict[int, int],
+def replay(trace: Trace, sizes: dict[int, int], spikes: dict[int, int],
            window: tuple[int, int, int] = (0, -1, 0)) -> tuple[int, int, int]:
     """``(peak index, peak bytes, scratch bytes in that peak)``; index = number of events applied.
     ``window = (first, last, bytes)``: bytes alive from event index ``first`` to ``last`` (collective buffers)."""
@@ -61,11 +63,11 @@ def replay(trace: StepTrace, sizes: dict[int, int], spikes: dict[int, int],
     return best_index, best, best_spike
 
 
-def alive_at(trace: StepTrace, index: int) -> set[int]:
+def alive_at(trace: Trace, index: int) -> set[int]:
     return alive_after(trace.initial, trace.events, index)
 
 
-def rows_at(trace: StepTrace, sizes: dict[int, int], index: int) -> dict[tuple[str, str], int]:
+def rows_at(trace: Trace, sizes: dict[int, int], index: int) -> dict[tuple[str, str], int]:
     rows: dict[tuple[str, str], int] = {}
     for s in alive_at(trace, index):
         key = trace.owner.get(s, ("other", "temporaries"))
@@ -102,7 +104,7 @@ CUDA_NOTE = ("CUDA is modelled: tensors are traced on fake CPU tensors with the 
              "and the CUDA context are modelled constants")
 
 
-def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: str = "") -> Estimate:
+def from_trace(trace: Trace, opts: Options, target: Target, *, model_name: str = "") -> Estimate:
     """The traced step replayed with the sizes one rank of the target device holds: its peak by category,
     what the device needs and whether it fits."""
     cuda = opts.device == "cuda"
@@ -160,7 +162,7 @@ def from_trace(trace: StepTrace, opts: Options, target: Target, *, model_name: s
     )
 
 
-def rank_sizes(trace: StepTrace, opts: Options, sharding: Sharding | None) -> tuple[dict[int, int], int]:
+def rank_sizes(trace: Trace, opts: Options, sharding: Sharding | None) -> tuple[dict[int, int], int]:
     """Each storage's bytes on one rank of the device (Adam's ``step`` counters on the host with CUDA unless the
     optimizer is fused or capturable; the sharded share under ZeRO; optimizer state offloaded to the host), and
     the optimizer state's bytes before sharding and offload."""
@@ -178,7 +180,7 @@ def rank_sizes(trace: StepTrace, opts: Options, sharding: Sharding | None) -> tu
     return sizes, state_bytes
 
 
-def kernel_scratch(trace: StepTrace, cuda: bool, cm: CudaModel, sizes: dict[int, int]) -> tuple[dict[int, int], str]:
+def kernel_scratch(trace: Trace, cuda: bool, cm: CudaModel, sizes: dict[int, int]) -> tuple[dict[int, int], str]:
     """What kernels allocate and free inside one op (``{events applied: bytes}``) and what it is called: on CUDA
     the modelled cuDNN workspace of each convolution, on the CPU what oneDNN and the GEMMs were measured to use.
     The recurrent layers' workspaces (a proxy for cuDNN's reserve on CUDA) are set in ``sizes``."""
@@ -227,7 +229,7 @@ class CudaSide:
     notes: tuple[str, ...]
 
 
-def cuda_side(trace: StepTrace, opts: Options, target: Target, sizes: dict[int, int], spikes: dict[int, int],
+def cuda_side(trace: Trace, opts: Options, target: Target, sizes: dict[int, int], spikes: dict[int, int],
               window: tuple[int, int, int]) -> CudaSide:
     cm = target.cuda
     workspace, workspace_note = cm.workspace(target.gpu)
@@ -241,7 +243,7 @@ def cuda_side(trace: StepTrace, opts: Options, target: Target, sizes: dict[int, 
     return CudaSide(blocks, layout.peak_reserved, workspace * handles, cm.context, notes)
 
 
-def peak_rows(trace: StepTrace, sizes: dict[int, int], scratch: tuple[dict[int, int], str],
+def peak_rows(trace: Trace, sizes: dict[int, int], scratch: tuple[dict[int, int], str],
               window: tuple[int, int, int], buffers: dict[str, int],
               gpu: CudaSide | None) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
     """``(rows, modelled)`` at the peak: ``(category, label) → bytes`` of what is alive with the modelled parts
@@ -266,7 +268,7 @@ def peak_rows(trace: StepTrace, sizes: dict[int, int], scratch: tuple[dict[int, 
     return rows, modelled
 
 
-def top_modules(trace: StepTrace, sizes: dict[int, int], index: int) -> tuple[tuple[str, int], ...]:
+def top_modules(trace: Trace, sizes: dict[int, int], index: int) -> tuple[tuple[str, int], ...]:
     """The eight modules whose activations hold the most after ``index`` events (the end of the forward)."""
     top: dict[str, int] = {}
     for s in alive_at(trace, index):
@@ -276,7 +278,7 @@ def top_modules(trace: StepTrace, sizes: dict[int, int], index: int) -> tuple[tu
     return tuple(sorted(top.items(), key=lambda kv: -kv[1])[:8])
 
 
-def model_states(trace: StepTrace, opts: Options, sharding: Sharding | None, state_bytes: int) -> int:
+def model_states(trace: Trace, opts: Options, sharding: Sharding | None, state_bytes: int) -> int:
     """Bytes of parameters, gradients and optimizer state one rank holds for the whole step (the ZeRO paper's
     *model states*), whatever is alive at the peak."""
     if opts.inference:

@@ -17,7 +17,7 @@ from typing import Any
 
 from ...units import format_bytes
 from ..result import Estimate
-from ..step.trace import EstimateError
+from ..tracing.errors import EstimateError
 
 #: the answer is checked this far above it (must not fit)
 MARGIN = 1.1

@@ -12,7 +12,7 @@ import torch
 from ...units import format_bytes
 from ..options import Options
 from ..result import Estimate, Strategy
-from ..step.trace import EstimateError
+from ..tracing.errors import EstimateError
 from ..tracing.quantize import NotApplicable
 from .facts import GenerateSpec, Generation, spec_of
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ...engine.kv_cache import CACHE_NAMES
+from ..tracing.fake import tensors_in
 from .facts import GenerateSpec
 from .loop import Plan
 
@@ -68,21 +69,11 @@ def split_output(out: Any, name: str) -> tuple[torch.Tensor, Any]:
     return logits, past
 
 
-def _tensors(past: Any) -> list[torch.Tensor]:
-    if isinstance(past, torch.Tensor):
-        return [past]
-    if isinstance(past, (tuple, list)):
-        return [t for v in past for t in _tensors(v)]
-    if isinstance(past, Mapping):
-        return [t for v in past.values() for t in _tensors(v)]
-    return []
-
-
 def growth_dims(before: list[torch.Size], after: Any) -> list[int | None]:
     """For each tensor of the cache: the dimension that grew by one token from the shapes ``before`` to the
     cache ``after`` (``None`` for one that did not)."""
     out: list[int | None] = []
-    b = _tensors(after)
+    b = tensors_in(after)
     if len(before) != len(b):
         return [None] * len(b)
     for x, y in zip(before, b):
@@ -143,7 +134,7 @@ def manual_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: Plan, lea
     logits, past = split_output(out, name)
     del out
     plan.on_event("prefill_end", past)
-    before = [torch.Size(t.shape) for t in _tensors(past)]
+    before = [torch.Size(t.shape) for t in tensors_in(past)]
     dims: list[int | None] = []
     step: int | None = 0
     while step is not None:
@@ -180,7 +171,7 @@ def manual_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: Plan, lea
 
 def describe_tuple_cache(past: Any, dims: list[int | None]) -> tuple[str, str, int, int]:
     """``(class, layers, bytes per token, fixed bytes)`` of a hand-written decoder's cache."""
-    tensors = _tensors(past)
+    tensors = tensors_in(past)
     per_token = fixed = 0
     for i, t in enumerate(tensors):
         d = dims[i] if i < len(dims) else None

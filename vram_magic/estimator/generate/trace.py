@@ -23,12 +23,14 @@ import torch
 from ...engine.kv_cache import KV_CACHE, kv_cache_tensors
 from ...engine.registry import LiveStorages
 from ..options import Options, short_dtype
-from ..step.trace import EstimateError, Request, StepTrace
 from ..torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode
-from ..tracing.adapt import adapt
-from ..tracing.fake import from_specs, resize, size_of
+from ..tracing.errors import EstimateError
+from ..tracing.fake import from_specs, resize, size_of, tensors_in
 from ..tracing.frameworks import estimating, not_tracing
+from ..tracing.lora import adapt_linear_layers
 from ..tracing.quantize import count_parameters, parameter_labels
+from ..tracing.request import Request
+from ..tracing.traced import Trace
 from ..tracing.tracer import FAKE_PROBLEMS, FORWARD
 from .facts import GenerateSpec
 from .loop import Plan, can_jump, decoding
@@ -99,7 +101,7 @@ def model_kind(model: Any) -> str:
 
 
 def trace_generate(request: Request, opts: Options, spec: GenerateSpec, *, cuda: Any = None
-                   ) -> tuple[StepTrace, dict[str, Any]]:
+                   ) -> tuple[Trace, dict[str, Any]]:
     """The fake run of one ``generate()`` call; the trace and what the loop learnt (cache slots, phases)."""
     t0 = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -124,7 +126,7 @@ def _fake_model(request: Request, opts: Options, mode: FakeTensorMode) -> tuple[
                             "tensor values; pass an nn.Module built normally instead of a builder") from err
     except Exception as err:
         raise EstimateError(f"building the model raised {type(err).__name__}: {err}") from err
-    model, notes = adapt(model, opts, mode)
+    model, notes = adapt_linear_layers(model, opts, mode)
     model.eval()
     return model, notes
 
@@ -145,7 +147,7 @@ def _inputs(request: Request, opts: Options, mode: FakeTensorMode) -> tuple[Any,
 
 
 def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensorMode, t0: float,
-           cuda: Any) -> tuple[StepTrace, dict[str, Any]]:
+           cuda: Any) -> tuple[Trace, dict[str, Any]]:
     from .cuda import GenerateTracer
 
     model, notes = _fake_model(request, opts, mode)
@@ -170,7 +172,7 @@ def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensor
         claim(p, ("parameters", "parameters"))
     for b in model.buffers():
         claim(b, ("other", "buffers"))
-    for t in _tensors(inputs):
+    for t in tensors_in(inputs):
         claim(t, ("other", "inputs"))
     names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
     tracer = GenerateTracer(registry, names, cuda)
@@ -436,7 +438,7 @@ def _max_positions(model: Any) -> int | None:
 
 
 def _step_trace(tracer: Any, owner: dict[int, tuple[str, str]], learnt: Learnt, model: Any, params: list[Any],
-                batch: int, seq: int, notes: list[str], problem: str | None, t0: float) -> StepTrace:
+                batch: int, seq: int, notes: list[str], problem: str | None, t0: float) -> Trace:
     sizes = dict(tracer.initial)
     sizes.update(tracer.late)
     module: dict[int, str] = {}
@@ -467,7 +469,7 @@ def _step_trace(tracer: Any, owner: dict[int, tuple[str, str]], learnt: Learnt, 
     for serial in tracer.late:
         owner.setdefault(serial, ("other", "temporaries"))
     param_bytes = sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "parameters")
-    trace = StepTrace(
+    trace = Trace(
         sizes=sizes, owner=owner, module=module, events=tracer.events,
         initial=tuple(tracer.initial) + tuple(tracer.late),
         marks={"forward_end": marks.get("decode_start", len(tracer.events)), "step_start": 0, **marks},
@@ -476,16 +478,6 @@ def _step_trace(tracer: Any, owner: dict[int, tuple[str, str]], learnt: Learnt, 
         batch=batch, seq=seq, micro_batch=batch, param_count=count_parameters(model), param_bytes=param_bytes,
         wall=time.perf_counter() - t0, notes=notes, answered=tracer.answered)
     return trace
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 def describe(spec: GenerateSpec, opts: Options, facts: dict[str, Any]) -> str:

@@ -12,7 +12,9 @@ from ...units import format_bytes
 from ..options import Options
 from ..replay import Target, from_trace
 from ..result import Estimate, Strategy
-from ..step.trace import EstimateError, Request, StepTrace
+from ..tracing.errors import EstimateError
+from ..tracing.request import Request
+from ..tracing.traced import Trace
 from .cuda import DEFAULT_CAPABILITY, LoopReplay, kernel_note, unrolled_reserved
 from .facts import GenerateSpec, Generation, spec_of
 from .trace import GROWTH, KV, MARK, describe, make_spec, trace_generate
@@ -71,7 +73,7 @@ def evaluate_generate(request: Request, opts: Options, spec: GenerateSpec, targe
                    flops={}, top_modules=est.top_modules)
 
 
-def _label_cache(trace: StepTrace, facts: dict[str, Any], first: Estimate) -> None:
+def _label_cache(trace: Trace, facts: dict[str, Any], first: Estimate) -> None:
     """The cache's storages named for good: at the peak, of a slot (``layers[3].keys``) holding two storages
     (``torch.cat``'s new copy made, the old one not yet freed; a beam reorder's copy) the newer is the growth
     transient, the rest is the cache as it stands."""
@@ -89,7 +91,7 @@ def _label_cache(trace: StepTrace, facts: dict[str, Any], first: Estimate) -> No
             trace.owner[s] = (KV, what)
 
 
-def _phase_peaks(trace: StepTrace) -> tuple[int, int, int]:
+def _phase_peaks(trace: Trace) -> tuple[int, int, int]:
     """Traced bytes (CPU sizes) at the prefill's peak and at the decoding steps' (the jump left out), and the step
     the highest of them falls in (0: the prefill and what the loop does with its logits)."""
     sizes, marks = trace.sizes, trace.marks
@@ -110,7 +112,7 @@ def _phase_peaks(trace: StepTrace) -> tuple[int, int, int]:
     return pre, dec, step
 
 
-def _generation(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec) -> Generation:
+def _generation(trace: Trace, facts: dict[str, Any], spec: GenerateSpec) -> Generation:
     pre, dec, step = _phase_peaks(trace)
     rows = facts["batch"] * spec.num_beams
     per_token = facts["per_token"]
@@ -127,7 +129,7 @@ def _generation(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec) -> 
         sdpa=tuple(sorted(dict(facts.get("kernels", {})).items())))
 
 
-def _allocator_replay(est: Estimate, gen: Generation, trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec,
+def _allocator_replay(est: Estimate, gen: Generation, trace: Trace, facts: dict[str, Any], spec: GenerateSpec,
                       opts: Options, target: Target) -> tuple[Estimate, Generation, str]:
     """The estimate and its facts with what the caching allocator's replay of the whole loop says, and its note
     (``""``: the steps do not line up, nothing replayed)."""
@@ -154,7 +156,7 @@ def _allocator_replay(est: Estimate, gen: Generation, trace: StepTrace, facts: d
     return est, gen, note
 
 
-def stranded_reason(stranded: Any, trace: StepTrace, needed: int) -> str:
+def stranded_reason(stranded: Any, trace: Trace, needed: int) -> str:
     """Words for the largest segment whose free space counts in what a GPU needs, when it holds a tenth of it or
     more: what it was made for and what keeps it (``""`` otherwise)."""
     if not stranded or stranded[0].free * 10 < needed:
@@ -166,7 +168,7 @@ def stranded_reason(stranded: Any, trace: StepTrace, needed: int) -> str:
             "from being given back")
 
 
-def _tag_name(tag: Any, trace: StepTrace) -> str:
+def _tag_name(tag: Any, trace: Trace) -> str:
     """What a block of the allocator's replay holds, in words (its module and label; its decoding step)."""
     if tag == "workspace":
         return "the cuBLAS workspace"
@@ -177,7 +179,7 @@ def _tag_name(tag: Any, trace: StepTrace) -> str:
     return text if step is None else f"{text} (decoding step {step})"
 
 
-def _reserved(trace: StepTrace, facts: dict[str, Any], spec: GenerateSpec, opts: Options,
+def _reserved(trace: Trace, facts: dict[str, Any], spec: GenerateSpec, opts: Options,
               target: Target) -> LoopReplay | None:
     marks = trace.marks
     last = spec.new_tokens - 1

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from array import array
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,91 +19,25 @@ from ...engine.registry import LiveStorages
 from ..options import Options
 from ..target.attention import CudaAttention, CudaKernelMode
 from ..torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode
-from ..tracing.adapt import adapt
 from ..tracing.errors import EstimateError, failure_message
 from ..tracing.fake import (
-    ModelSource,
     call_model,
     from_specs,
     has_lazy,
     materialize_lazy,
     resize,
     size_of,
-    specs_in,
-    to_specs,
+    tensors_in,
 )
 from ..tracing.frameworks import enable_checkpointing, estimating, not_tracing
-from ..tracing.loss import default_loss, describe_loss, stand_in_loss
+from ..tracing.lora import adapt_linear_layers
+from ..tracing.loss import describe_loss, stand_in_loss
 from ..tracing.optimizers import is_fused, make_optimizer
 from ..tracing.quantize import count_parameters, parameter_labels
+from ..tracing.request import Request
 from ..tracing.scripted import has_scripted
+from ..tracing.traced import Trace
 from ..tracing.tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
-
-
-@dataclass
-class StepTrace:
-    """Plain numbers from one fake run (no tensors)."""
-
-    sizes: dict[int, int]
-    owner: dict[int, tuple[str, str]]
-    module: dict[int, str]
-    events: array
-    initial: tuple[int, ...]
-    marks: dict[str, int]
-    flops: dict[str, int]
-    convs: list[tuple[int, Any, Any]]
-    copies: list[tuple[int, int]]
-    rnns: list[tuple[int, Any, Any, int]]
-    host_scalars: set[int]
-    problem: str | None = None
-    fused: bool = False
-    uses_matmul: bool = False
-    batch: int | None = None
-    seq: int | None = None
-    micro_batch: int | None = None
-    param_count: int = 0
-    param_bytes: int = 0
-    grad_bytes: int = 0
-    state_bytes: int = 0
-    unit_param_bytes: list[int] = field(default_factory=list)  # per checkpoint/sharding unit (largest blocks)
-    gemms: list[tuple[int, Any, Any]] = field(default_factory=list)  # half-precision GEMMs (scratch measured)
-    wall: float = 0.0
-    loss: str = ""  # which loss the step trained on
-    notes: list[str] = field(default_factory=list)  # what was modelled and how (checkpointing, compiled)
-    answered: int = 0  # value reads answered from the inputs' real values
-
-
-class Request:
-    """What to estimate: the model's source, the inputs (specs or a callable) and the loss function."""
-
-    def __init__(self, model: Any, inputs: Any, loss_fn: Callable[[Any], Any] | None = None) -> None:
-        self.source = ModelSource(model)
-        if callable(inputs) and not isinstance(inputs, torch.Tensor):
-            self.inputs_fn: Callable[[], Any] | None = inputs
-            self.specs: Any = None
-        else:
-            self.inputs_fn = None
-            self.specs = to_specs(inputs)
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"loss_fn must be a callable output -> scalar tensor, not {type(loss_fn).__name__}")
-        self.loss_fn = loss_fn
-
-    def input_specs(self, mode: FakeTensorMode) -> Any:
-        if self.specs is None:
-            assert self.inputs_fn is not None
-            from ..tracing.known_values import ValueMode
-
-            with mode, ValueMode():
-                try:
-                    made = self.inputs_fn()
-                except Exception as err:
-                    raise EstimateError(f"the inputs callable raised {type(err).__name__}: {err}") from err
-            specs = to_specs(made)
-            if not specs_in(specs):
-                raise TypeError("the inputs callable must return a tensor, or a tuple/list or dict of tensors; "
-                                f"it returned {type(made).__name__}")
-            self.specs = specs  # shapes only: the callable runs once
-        return self.specs
 
 
 def checkpoint_units(model: nn.Module) -> list[nn.Module]:
@@ -123,7 +55,7 @@ def checkpoint_units(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def trace_step(request: Request, opts: Options, sdpa: tuple[tuple[int, int], bool] | None = None) -> StepTrace:
+def trace_step(request: Request, opts: Options, sdpa: tuple[tuple[int, int], bool] | None = None) -> Trace:
     """The fake run; ``sdpa``: ``(compute capability, whether the GPU was named)`` to run attention as the CUDA
     kernels do (:func:`.cuda_attention.target_capability`), ``None`` to keep the CPU's."""
     import logging
@@ -142,7 +74,7 @@ def trace_step(request: Request, opts: Options, sdpa: tuple[tuple[int, int], boo
         log.setLevel(level)
 
 
-def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float, sdpa: Any) -> StepTrace:
+def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float, sdpa: Any) -> Trace:
     step = _FakeStep(request, opts, mode)
     step.build()
     step.prepare()
@@ -211,7 +143,7 @@ class _FakeStep:
                                     "model before estimating it") from err
         with mode:
             self.inputs = from_specs(self.specs, opts.dtype if opts.amp is None else None)
-        model, self.notes = adapt(model, opts, mode)  # quantize=, lora= (adapt.py)
+        model, self.notes = adapt_linear_layers(model, opts, mode)  # quantize=, lora=
         if opts.inference:
             model.eval()
         else:
@@ -242,7 +174,7 @@ class _FakeStep:
             self.claim(p, ("parameters", "parameters"))
         for b in model.buffers():
             self.claim(b, ("other", "buffers"))
-        for t in _tensors(self.inputs):
+        for t in tensors_in(self.inputs):
             self.claim(t, ("other", "inputs"))
         for m in self.masters:
             self.claim(m, ("optimizer_state", "fp32 master weights"))
@@ -252,7 +184,7 @@ class _FakeStep:
         self.runner = self._runner()
         self.tracer = StepTracer(self.registry, self.names)
         self.tracer.target = opts.device
-        self.tracer.input_keys = {id(t.untyped_storage()) for t in _tensors(self.inputs) if t.layout == torch.strided}
+        self.tracer.input_keys = {id(t.untyped_storage()) for t in tensors_in(self.inputs) if t.layout == torch.strided}
 
     def claim(self, t: Any, cat: tuple[str, str]) -> int | None:
         """``t``'s storage counted as ``cat`` (unless something claimed it first); its serial."""
@@ -362,7 +294,7 @@ class _FakeStep:
         return loss
 
     # --- the plain numbers ------------------------------------------------------------------------------------
-    def result(self, t0: float) -> StepTrace:
+    def result(self, t0: float) -> Trace:
         import time
 
         opts, tracer, owner = self.opts, self.tracer, self.owner
@@ -378,7 +310,7 @@ class _FakeStep:
             "backward": int(step_flops[BACKWARD] * scale),
             "optimizer": int(step_flops[OPTIMIZER]),
         }
-        return StepTrace(
+        return Trace(
             sizes=sizes, owner=owner, module=module, events=tracer.events,
             initial=tuple(tracer.initial) + tuple(tracer.late), marks=self.marks, flops=flops,
             convs=tracer.convs, copies=tracer.copies, rnns=tracer.rnns, gemms=tracer.gemms,
@@ -514,15 +446,4 @@ def _first_step(optimizer: Any, trainable: list[nn.Parameter], tracer: StepTrace
     optimizer.zero_grad(set_to_none=True)
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
-__all__ = ["EstimateError", "Request", "StepTrace", "default_loss", "stand_in_loss", "trace_step", "SETUP",
-           "OPTIMIZER"]
+__all__ = ["checkpoint_units", "trace_step"]

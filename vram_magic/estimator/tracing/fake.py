@@ -124,6 +124,17 @@ def _rebuild(value: tuple | list, items: list[Any]) -> Any:
     return type(value)(items)
 
 
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a tensor/tuple/list/dict structure, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors_in(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in tensors_in(v)]
+    return []
+
+
 def specs_in(value: Any) -> list[TensorSpec]:
     if isinstance(value, TensorSpec):
         return [value]

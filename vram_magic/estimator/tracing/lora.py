@@ -1,4 +1,6 @@
-"""LoRA adapters on fake tensors: ``estimate(..., lora=R)`` trains rank-R adapters on every linear layer but the
+"""LoRA adapters on fake tensors, and what ``quantize=`` and ``lora=`` do to a fake model's linear layers.
+
+``estimate(..., lora=R)`` trains rank-R adapters on every linear layer but the
 output head, with the rest of the model frozen — what PEFT's ``LoraConfig(r=R, target_modules="all-linear")``
 builds. :class:`LoraLinear` runs PEFT's forward op for op (so its temporaries are the same): the base layer,
 a defensive clone of its output when the base is 4-bit (as PEFT's bitsandbytes layer does), the input cast to
@@ -16,7 +18,7 @@ from torch import nn
 
 from ...units import format_count
 from ..options import parse_lora
-from .quantize import NotApplicable, QuantLinear, features, linear_layers
+from .quantize import NotApplicable, QuantLinear, features, linear_layers, quantize_model, replace_layers
 
 
 class LoraLinear(nn.Module):
@@ -60,20 +62,32 @@ def add_adapters(model: nn.Module, r: int, mode: Any) -> tuple[nn.Module, str]:
                             "Conv1D)")
     for p in model.parameters():
         p.requires_grad_(False)
-    count = 0
-    dtypes: set[str] = set()
+    made: list[LoraLinear] = []
+
+    def adapted(layer: nn.Module) -> LoraLinear:
+        made.append(LoraLinear(layer, r))
+        return made[-1]
+
     with mode:
-        for parent, attr, layer in layers:
-            adapted = LoraLinear(layer, r)
-            if parent is None:
-                model = adapted
-            else:
-                parent._modules[attr] = adapted
-            count += r * (adapted.in_features + adapted.out_features)
-            dtypes.add(str(adapted.lora_A.weight.dtype).replace("torch.", ""))
+        model = replace_layers(model, layers, adapted)
+    count = sum(r * (a.in_features + a.out_features) for a in made)
+    dtypes = {str(a.lora_A.weight.dtype).replace("torch.", "") for a in made}
     return model, (f"LoRA: rank-{r} adapters on {len(layers)} linear layers (PEFT's all-linear, the output head "
             f"excluded), {format_count(count)} trainable parameters in {'/'.join(sorted(dtypes))}; every other weight "
             "frozen: gradients and optimizer state for the adapters only")
 
 
-__all__ = ["LoraLinear", "add_adapters", "parse_lora"]
+def adapt_linear_layers(model: nn.Module, opts: Any, mode: Any) -> tuple[nn.Module, list[str]]:
+    """``quantize=`` and ``lora=`` applied to the fake model: its linear layers quantized first, then adapters put on
+    the quantized layers; the model (a new one if it was a linear layer itself) and the notes saying what was done."""
+    notes = []
+    if opts.quantize:
+        model, note = quantize_model(model, opts.quantize, mode)
+        notes.append(note)
+    if opts.lora:
+        model, note = add_adapters(model, opts.lora, mode)
+        notes.append(note)
+    return model, notes
+
+
+__all__ = ["LoraLinear", "adapt_linear_layers", "add_adapters", "parse_lora"]

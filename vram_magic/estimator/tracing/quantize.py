@@ -265,6 +265,19 @@ def linear_layers(model: nn.Module) -> list[tuple[nn.Module | None, str, nn.Modu
     return out
 
 
+def replace_layers(model: nn.Module, layers: list[tuple[nn.Module | None, str, nn.Module]],
+                   make: Any) -> nn.Module:
+    """Each ``(parent, attribute, layer)`` of ``layers`` replaced by ``make(layer)`` (call under the fake mode); the
+    model, a new one if it was a linear layer itself."""
+    for parent, attr, layer in layers:
+        new = make(layer)
+        if parent is None:
+            model = new
+        else:
+            parent._modules[attr] = new
+    return model
+
+
 def quantize_model(model: nn.Module, name: str, mode: Any) -> tuple[nn.Module, str]:
     """Replace the fake model's linear layers (not the head) by stand-ins in format ``name``; the model (a new
     one if it was a linear layer itself) and what was done."""
@@ -273,15 +286,12 @@ def quantize_model(model: nn.Module, name: str, mode: Any) -> tuple[nn.Module, s
     if not layers:
         raise NotApplicable(f"quantize={name!r}: the model has no linear layers to quantize (nn.Linear, or "
                             "transformers' Conv1D)")
-    total = 0
     with mode:
-        for parent, attr, linear in layers:
-            q = make_quant_linear(linear, fmt)
-            if parent is None:
-                model = q
-            else:
-                parent._modules[attr] = q
-            total += fmt.layer_bytes(q.out_features, q.in_features)
+        model = replace_layers(model, layers, lambda linear: make_quant_linear(linear, fmt))
+    total = 0
+    for _, _, linear in layers:
+        in_f, out_f = features(linear)  # type: ignore[misc]
+        total += fmt.layer_bytes(out_f, in_f)
     from ...units import format_bytes
 
     kept = ["the output head"] if output_head(model) is not None else []
