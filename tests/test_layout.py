@@ -28,14 +28,10 @@ KNOWN_LONG_CLASSES = {
 KNOWN_PREFIX_FOLDERS = {
     "vram_magic/engine/cell*",
     "vram_magic/engine/cuda*",
-    "vram_magic/estimator/compiled*",
-    "vram_magic/estimator/generate*",
 }
 KNOWN_REEXPORTS: set[str] = set()
 # circles when a result's render methods count, their renderers' type-only imports aside
 KNOWN_RENDER_CIRCLES = {
-    frozenset({"vram_magic.estimator.render.generation", "vram_magic.estimator.render.step",
-               "vram_magic.estimator.result"}),
     frozenset({"vram_magic.ranks.render", "vram_magic.ranks.result"}),
 }
 # a result's text, HTML, plot and snapshot file come from its renderer, imported when the result is shown or saved

@@ -74,6 +74,8 @@ def estimate(
     budget: int | str | None = None,
     cuda: CudaModel | None = None,
     alloc_conf: str | None = None,
+    batch: int | None = None,
+    name: str | None = None,
     what_if: bool = False,
     max_batch: bool = False,
     max_seq: bool = False,
@@ -110,13 +112,16 @@ def estimate(
     ``"max_split_size_mb:512"``, ``"roundup_power2_divisions:4"``; default: that variable's value here), modelled
     in the block sizes and reserved memory and named in the notes. ``what_if`` adds the strategy table;
     ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1
-    of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial.
+    of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial. ``batch=B``
+    resizes the inputs' dimension 0 to ``B`` first (``--batch`` on the command line); ``name``: what the report
+    calls the model (default: its class, or the builder's name).
 
     ``generate=N``: the peak of ``model.generate(inputs, max_new_tokens=N, min_new_tokens=N)`` instead of a step
     (``inputs``: token ids, or a dict with ``input_ids`` and ``attention_mask``), with ``cache_implementation``
     (a name the installed transformers knows: ``"static"``, ``"offloaded"``, ...) and ``num_beams``; the KV
-    cache is the ``kv_cache`` category, ``estimate.generation`` holds its bytes per token. With it,
-    ``max_seq`` finds the longest prompt and ``max_batch`` the largest batch that fit with N new tokens.
+    cache is the ``kv_cache`` category, ``estimate.generation`` holds its bytes per token. With it, ``max_seq``
+    finds the longest prompt (``estimate.max_prompt``) and ``max_batch`` the largest batch that fit with N new
+    tokens.
     A decoder without transformers whose forward takes and returns a cache (``past_key_values``) works too.
     """
     # the estimator (and torch) are imported on the first call, not with the package; its estimate() has this

@@ -190,6 +190,8 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         quantize=args.quantize, lora=args.lora,
         device=args.device, what_if=args.what_if, max_batch=args.max_batch, max_seq=args.max_seq,
     )
+    if args.batch is not None and args.input:  # --input resized to --batch (with --shape it is the shape's batch)
+        kwargs["batch"] = args.batch
     if args.loss:
         kwargs["loss_fn"] = evaluate(args.loss, ns, "--loss")
     if getattr(args, "generate", None) is not None or getattr(args, "cache", None) or getattr(args, "beams", 1) != 1:
@@ -197,17 +199,3 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         for option in ("optimizer", "inference"):  # a training step's options: generate= is inference
             kwargs.pop(option)
     return model, inputs, kwargs
-
-
-def estimate_with_batch(model: Any, inputs: Any, batch: int, kwargs: dict[str, Any]) -> Any:
-    """--input with --batch: the inputs' batch dimension resized before the run."""
-    from . import estimate, follow_ups
-
-    asked = {k: bool(kwargs.get(k)) for k in ("what_if", "max_batch", "max_seq")}
-    first = estimate(model, inputs, **{**kwargs, "what_if": False, "max_batch": False, "max_seq": False})
-    est = first.rerunnable().evaluate(first.options.with_(batch=batch))
-    if est.generation is not None:  # generate= (generate_estimate.py)
-        from .generate.workload import generate_follow_ups
-
-        return generate_follow_ups(est, **asked, progress=kwargs.get("progress"))
-    return follow_ups(est, **asked, progress=kwargs.get("progress"))

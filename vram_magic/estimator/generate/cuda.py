@@ -22,12 +22,20 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
+from ...engine.alloc_conf import DEFAULT_SETTINGS, AllocatorSettings
 from ...engine.caching_allocator import CachingAllocator
-from ..target.attention import DEFAULT_CAPABILITY, CudaAttention, kernel_note, sdpa_kernel
+from ...units import format_bytes
+from ..target.attention import CudaAttention
 from ..tracing.tracer import StepTracer
+from .facts import GenerateSpec, Generation
+
+if TYPE_CHECKING:
+    from ..replay import Replayed
+    from ..target import Target
+    from ..tracing.traced import Trace
 
 
 class GenerateTracer(StepTracer):
@@ -181,7 +189,8 @@ def _loop_template(events: Sequence[int], sizes: Mapping[int, int], bounds: tupl
 def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapping[int, int],
                       bounds: tuple[int, int, int, int, int, int], steps: int, first: int, cached: int, *,
                       slot: Mapping[int, str], replaced: Mapping[int, int], token_bytes: Mapping[int, int],
-                      persistent: Iterable[int] = ()) -> LoopReplay | None:
+                      persistent: Iterable[int] = (), settings: AllocatorSettings = DEFAULT_SETTINGS
+                      ) -> LoopReplay | None:
     """The whole loop replayed through the caching allocator (:class:`PinnedAllocator`): the trace up to the jump,
     then steps ``first`` .. ``steps`` made from the traced last step, each allocation at the size it has at that
     step (a cache tensor of ``b`` bytes per token holds ``min(cached + step, its length in the last step)``
@@ -192,8 +201,9 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
     ``cached``: tokens in the cache after the prefill; ``slot``: cache storages by slot (``layers[3].keys``);
     ``replaced``: storage the jump made → the one it stands in for; ``token_bytes``: a cache storage's bytes
     per token; ``persistent``: sizes allocated once after the initial storages (cuBLAS workspaces, tagged
-    ``"workspace"``). Transient small-pool allocations (≤ 1 MiB, made and freed within a step) repeat identically
-    and are left out. ``None`` when the steps do not line up."""
+    ``"workspace"``); ``settings``: the allocator's (not expandable segments: their pages are not segments).
+    Transient small-pool allocations (≤ 1 MiB, made and freed within a step) repeat identically and are left out.
+    ``None`` when the steps do not line up."""
     b0, j0, j1, sl, bl, end = bounds
     if not (b0 <= j0 <= j1 <= sl <= bl <= end) or steps < first:
         return None
@@ -211,7 +221,7 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
             return base[p] + (sizes[s] - base[p]) * m // max(steps, 1)
         return sizes[s]
 
-    a = PinnedAllocator()
+    a = PinnedAllocator(settings=settings)
     handles: dict[int, int] = {}
     for s in initial:
         handles[s] = a.malloc(sizes[s], s)
@@ -242,5 +252,83 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
     return LoopReplay(a.peak_reserved, a.reserved, a.allocated, a.peak_pinned, a.in_use, a.stranded)
 
 
-__all__ = ["DEFAULT_CAPABILITY", "GenerateTracer", "LoopReplay", "PinnedAllocator", "Stranded", "kernel_note",
-           "sdpa_kernel", "unrolled_reserved"]
+def loop_allocation(r: Replayed, gen: Generation, trace: Trace, facts: dict[str, Any], spec: GenerateSpec,
+                    target: Target) -> tuple[Replayed, Generation, str]:
+    """The replayed trace ``r`` and the facts ``gen`` with what the caching allocator's replay of the whole loop says,
+    and its note (``""``: the steps do not line up, nothing replayed)."""
+    replay = _loop_replay(trace, facts, spec, target)
+    if replay is None:
+        return r, gen, ""
+    reserved = max(r.reserved, replay.peak_reserved)
+    growth = max(replay.reserved - replay.allocated, 0)
+    pinned = replay.peak_pinned
+    stranded = max(pinned - replay.in_use, 0)
+    why = stranded_reason(replay.stranded, trace, pinned)
+    gen = replace(gen, reserved_growth=growth, in_use=replay.in_use, stranded=stranded, stranded_by=why)
+    r = replace(r, reserved=reserved, needed=max(pinned, r.peak.total) + r.context)
+    note = (f"the caching allocator replayed over all {spec.new_tokens - 1} decoding steps (the cache asks for one "
+            f"token more per layer each step): with room to spare it reserves up to {format_bytes(reserved)}, "
+            f"{format_bytes(growth)} above allocated when the loop ends; a GPU needs the {format_bytes(pinned)} of "
+            "segments holding live blocks at their peak (the allocator frees its cached segments when cudaMalloc "
+            f"fails) + the CUDA context: {format_bytes(replay.in_use)} in use then and {format_bytes(stranded)} free "
+            "inside those segments (a free block is split for a smaller request when no smaller one is large enough, "
+            "and a segment goes back to the device only when nothing in it is in use)")
+    if why:
+        note += f"; {why}"
+        if target.cuda.allocator.max_split_size is None:
+            note += "; " + _max_split_hint(replay.stranded[0].segment)
+    return r, gen, note
+
+
+def _max_split_hint(segment: int) -> str:
+    """PyTorch's allocator serves no request below ``max_split_size`` from a cached block of that size or more,
+    nor a larger one from a block 20 MiB or more too large: such blocks are not split."""
+    mib = 512
+    while mib > 2 and mib << 20 > segment // 2:
+        mib //= 2
+    return (f"PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:{mib} keeps blocks of {mib} MiB or more from being split "
+            f"(estimate it with alloc_conf='max_split_size_mb:{mib}')")
+
+
+def stranded_reason(stranded: Any, trace: Trace, needed: int) -> str:
+    """Words for the largest segment whose free space counts in what a GPU needs, when it holds a tenth of it or
+    more: what it was made for and what keeps it (``""`` otherwise)."""
+    if not stranded or stranded[0].free * 10 < needed:
+        return ""
+    top = stranded[0]
+    holder, size = top.holders[0] if top.holders else (None, 0)
+    return (f"{format_bytes(top.free)} of it in a {format_bytes(top.segment)} segment made for "
+            f"{_tag_name(top.made_for, trace)}, which {_tag_name(holder, trace)} ({format_bytes(size)}) keeps "
+            "from being given back")
+
+
+def _tag_name(tag: Any, trace: Trace) -> str:
+    """What a block of the allocator's replay holds, in words (its module and label; its decoding step)."""
+    if tag == "workspace":
+        return "the cuBLAS workspace"
+    serial, step = tag if isinstance(tag, tuple) else (tag, None)
+    label = trace.owner.get(serial, ("", "a tensor"))[1] if isinstance(serial, int) else "a tensor"
+    module = trace.module.get(serial, "") if isinstance(serial, int) else ""
+    text = f"{module}'s {label}" if module else label
+    return text if step is None else f"{text} (decoding step {step})"
+
+
+def _loop_replay(trace: Trace, facts: dict[str, Any], spec: GenerateSpec, target: Target) -> LoopReplay | None:
+    marks = trace.marks
+    last = spec.new_tokens - 1
+    keys = ("bookkeeping_before_jump", "jump_start", "jump_end", f"step{last}", "forward_done", "loop_end")
+    if not all(k in marks for k in keys):
+        return None
+    workspace = target.cuda.workspace(target.gpu)[0] if trace.uses_matmul else 0
+    bounds = tuple(marks[k] for k in keys)
+    first = max(s for s in facts["steps"] if s < last) + 1
+    cached = facts["cached"]
+    settings = target.cuda.allocator
+    if settings.expandable_segments:  # pages mapped into one segment a pool: what stays pinned is not modelled
+        settings = DEFAULT_SETTINGS
+    return unrolled_reserved(trace.initial, trace.events, trace.sizes, bounds, last, first, cached,  # type: ignore[arg-type]
+                             slot=facts["slot"], replaced=facts["replaced"], token_bytes=facts["token_bytes"],
+                             persistent=(workspace,), settings=settings)
+
+
+__all__ = ["GenerateTracer", "LoopReplay", "PinnedAllocator", "Stranded", "loop_allocation", "unrolled_reserved"]

@@ -4,10 +4,11 @@ the loop was modelled. Plain numbers (bytes), no tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..result import Estimate
+    from ..options import Options
+    from ..tracing.traced import Trace
 
 
 @dataclass(frozen=True)
@@ -78,13 +79,72 @@ class Generation:
         return self.flops_prefill + self.flops_decode * max(self.new_tokens - 1, 0)
 
 
-def spec_of(est: Estimate) -> GenerateSpec:
-    """The spec an estimate of ``generate()`` was made with, read from its ``generation`` facts."""
-    gen = est.generation
-    if gen is None:
-        raise ValueError("this estimate is not of generate(): estimate with generate=N")
-    return GenerateSpec(gen.new_tokens, gen.cache_implementation, gen.beams, gen.do_sample, gen.cache_bits,
-                        gen.last_logits_only)
+def spec_of(opts: Options) -> GenerateSpec:
+    """What ``opts`` ask ``generate()`` to do."""
+    if opts.generate is None:
+        raise ValueError("these options are not of generate(): estimate with generate=N")
+    return GenerateSpec(opts.generate, opts.cache_implementation, opts.num_beams, opts.do_sample, opts.cache_bits,
+                        opts.last_logits_only)
 
 
-__all__ = ["GenerateSpec", "Generation", "spec_of"]
+def phase_peaks(trace: Trace) -> tuple[int, int, int]:
+    """Traced bytes (CPU sizes) at the prefill's peak and at the decoding steps' (the jump left out), and the step
+    the highest of them falls in (0: the prefill and what the loop does with its logits)."""
+    sizes, marks = trace.sizes, trace.marks
+    current = sum(sizes[s] for s in trace.initial)
+    decode = marks.get("decode_start", len(trace.events))
+    j0, j1 = marks.get("jump_start", -1), marks.get("jump_end", -1)
+    pre, dec, best, at = current, 0, current, 0
+    for i, ev in enumerate(trace.events, 1):
+        current += sizes[ev] if ev > 0 else -sizes[-ev]
+        if i <= decode:
+            pre = max(pre, current)
+        elif not j0 < i <= j1:
+            dec = max(dec, current)
+        if current > best and not j0 < i <= j1:
+            best, at = current, i
+    starts = sorted((v, int(k[4:])) for k, v in marks.items() if k.startswith("step") and k[4:].isdigit())
+    step = max((n for v, n in starts if v < at), default=0)
+    return pre, dec, step
+
+
+def generation_facts(trace: Trace, facts: dict[str, Any], spec: GenerateSpec) -> Generation:
+    pre, dec, step = phase_peaks(trace)
+    rows = facts["batch"] * spec.num_beams
+    per_token = facts["per_token"]
+    fp, fd = facts["flops"]
+    return Generation(
+        new_tokens=spec.new_tokens, prompt=facts["seq"], batch=facts["batch"], beams=spec.num_beams,
+        kind=facts["kind"], cache=facts["cache"], cache_implementation=spec.cache_implementation,
+        do_sample=spec.do_sample, cache_bits=spec.cache_bits, last_logits_only=spec.last_logits_only,
+        layers=facts["layers"], kv_cache=facts["kv_final"], kv_per_token=per_token,
+        kv_per_token_per_sequence=per_token // rows if rows else per_token, kv_fixed=facts["fixed"],
+        prefill_peak=pre, decode_peak=dec, peak_step=step, logits_to_keep=facts["logits_to_keep"],
+        steps_run=facts["steps"],
+        jumped=facts["jumped"], encoder_length=facts["encoder_length"], flops_prefill=fp, flops_decode=fd,
+        sdpa=tuple(sorted(dict(facts.get("kernels", {})).items())))
+
+
+def loop_note(facts: dict[str, Any], spec: GenerateSpec) -> str:
+    steps = facts["steps"]
+    ran = ", ".join(str(s) for s in steps)
+    if facts["kind"] == "transformers":
+        how = ("generate() cannot run on fake tensors to its end (its stopping checks read values): it ran as "
+               "the installed transformers runs it up to its decoding loop (its cache choice, "
+               + ("logits_to_keep=1, " if facts["logits_to_keep"] else "all logits (its forward has no "
+                  "logits_to_keep), ")
+               + ("the encoder once, " if facts["is_encoder_decoder"] else "")
+               + "the prefill), and the loop was modelled step for step")
+    else:
+        how = ("a hand-written decoder: the greedy loop logits[:, -1].argmax(), one token per step, its cache "
+               "passed back, was run on fake tensors")
+    if facts["jumped"]:
+        how += (f"; steps {ran} of {spec.new_tokens - 1} ran, the {facts['jumped']} between them alike but "
+                "for one token more in the cache each, so the cache was advanced to the last step's length (prompt "
+                "+ new − 2 tokens going in) and the last step ran at it")
+    else:
+        how += f"; every step ran ({len(steps)} forwards)"
+    return how
+
+
+__all__ = ["GenerateSpec", "Generation", "generation_facts", "loop_note", "phase_peaks", "spec_of"]

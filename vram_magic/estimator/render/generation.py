@@ -1,15 +1,23 @@
-"""The lines an estimate of ``generate()`` adds to the report: the cache per token, the two phases, the search
-results (text; the HTML wraps the same lines)."""
+"""Text and HTML of a ``generate()`` call's estimate: every estimate's report, with the cache per token, the two
+phases and the searches' results (pure functions of the result)."""
 
 from __future__ import annotations
 
 import html
+from typing import TYPE_CHECKING
 
 from ...units import format_bytes
-from ..result import Estimate
+from .common import report_html, report_text, title, top_modules_line
+
+if TYPE_CHECKING:
+    from ..result import GenerateEstimate
 
 
-def generation_lines(est: Estimate) -> list[str]:
+def heading(est: GenerateEstimate) -> str:
+    return title(est, f" · batch {est.batch}" if est.batch is not None else "")
+
+
+def generation_lines(est: GenerateEstimate) -> list[str]:
     g = est.generation
     if g is None:
         return []
@@ -24,22 +32,28 @@ def generation_lines(est: Estimate) -> list[str]:
     if g.reserved_growth:
         lines.append(f"the cache growing a token at a time leaves {format_bytes(g.reserved_growth)} reserved above "
                      "allocated by the end (caching allocator replayed over every step)")
-    if est.max_seq is not None:
-        lines.append(f"longest prompt that fits with {g.new_tokens} new tokens: {est.max_seq} tokens "
-                     f"(batch {g.batch}; checked: {round(est.max_seq * 1.1)} does not fit)")
+    return lines
+
+
+def searched(est: GenerateEstimate) -> list[str]:
+    g = est.generation
+    lines = []
+    if est.max_prompt is not None:
+        lines.append(f"longest prompt that fits with {g.new_tokens} new tokens: {est.max_prompt} tokens "
+                     f"(batch {g.batch}; checked: {round(est.max_prompt * 1.1)} does not fit)")
     if est.max_batch is not None:
         lines.append(f"largest batch that fits with a {g.prompt}-token prompt and {g.new_tokens} new tokens: "
                      f"{est.max_batch}")
     return lines
 
 
-def generation_html(est: Estimate) -> str:
-    lines = generation_lines(est)
-    if not lines:
-        return ""
-    bold = {i for i, line in enumerate(lines) if line.startswith(("longest prompt", "largest batch"))}
-    return "".join(f"<div>{'<b>' if i in bold else ''}{html.escape(line)}{'</b>' if i in bold else ''}</div>"
-                   for i, line in enumerate(lines))
+def estimate_text(est: GenerateEstimate) -> str:
+    lines = [top_modules_line(est)] if est.top_modules else []
+    return report_text(est, heading(est), lines + generation_lines(est) + searched(est))
 
 
-__all__ = ["generation_html", "generation_lines"]
+def estimate_html(est: GenerateEstimate) -> str:
+    notes = [f"<div>{top_modules_line(est, code=True)}</div>"] if est.top_modules else []
+    notes += [f"<div>{html.escape(line)}</div>" for line in generation_lines(est)]
+    notes += [f"<div><b>{html.escape(line)}</b></div>" for line in searched(est)]
+    return report_html(est, heading(est), notes)

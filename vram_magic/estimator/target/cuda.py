@@ -151,3 +151,30 @@ def with_allocator(cuda: CudaModel | None, alloc_conf: Any = None) -> CudaModel 
 
 __all__ = ["CUBLAS_WORKSPACE", "CUBLAS_WORKSPACE_LARGE", "CUDA_CONTEXT", "CUDNN_WORKSPACE", "CudaModel", "Layout",
            "allocator_layout", "cublas_workspace", "with_allocator"]
+
+
+@dataclass(frozen=True)
+class CudaAllocation:
+    """What the CUDA model makes of a traced step: each storage's block in the simulated caching allocator, the
+    peak it reserves, the cuBLAS workspaces, the context, and the notes about them."""
+
+    sizes: dict[int, int]
+    reserved: int
+    workspaces: int
+    context: int
+    notes: tuple[str, ...]
+
+
+def cuda_allocation(trace: Any, inference: bool, cuda: CudaModel, gpu: GPU | None, sizes: dict[int, int],
+                    spikes: dict[int, int], window: tuple[int, int, int]) -> CudaAllocation:
+    """The traced step (``trace``: initial storages, events, whether it multiplies matrices) replayed through the
+    caching allocator with one rank's ``sizes``, the kernels' ``spikes`` and the collectives' ``window``."""
+    workspace, workspace_note = cuda.workspace(gpu)
+    handles = (1 if inference else 2) if trace.uses_matmul else 0  # the forward's thread and autograd's
+    layout = allocator_layout(trace.initial, trace.events, sizes, persistent=[workspace] * handles, spikes=spikes,
+                              window=window, settings=cuda.allocator)
+    blocks = {s: layout.blocks.get(s, n) for s, n in sizes.items()}
+    notes: tuple[str, ...] = (workspace_note,) if handles and gpu is None and workspace_note else ()
+    if not cuda.allocator.is_default or cuda.allocator.unmodelled:
+        notes += (cuda.allocator.note("PyTorch's caching allocator is simulated"),)
+    return CudaAllocation(blocks, layout.peak_reserved, workspace * handles, cuda.context, notes)

@@ -164,3 +164,50 @@ def _wrap_checkpoint(unit: nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     unit.forward = forward  # type: ignore[method-assign]
+
+
+def without_init(model: Any) -> Any:
+    """A model builder run with transformers' weight initialization off (``no_init_weights``: fake weights have
+    no values to initialize, and an 8B model's initialization is most of its build time); anything else as
+    it is. transformers 5's ``no_init_weights`` stubs out ``PreTrainedModel.init_weights``, which ``post_init``
+    calls to initialize *and tie* the weights: the tying is put back, so tied embeddings stay one tensor (what the
+    builder does after construction, untying included, stands)."""
+    from torch import nn
+
+    if isinstance(model, nn.Module) or not callable(model):
+        return model
+    try:
+        from transformers import PreTrainedModel
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        try:
+            from transformers import PreTrainedModel
+            from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef]
+        except ImportError:
+            return model
+    import functools
+
+    @functools.wraps(model)
+    def build() -> Any:
+        original = PreTrainedModel.init_weights
+        with no_init_weights():
+            stub = PreTrainedModel.init_weights
+            if stub is not original:  # transformers 5: init_weights stubbed out, its tie_weights with it
+                PreTrainedModel.init_weights = _tie_only  # type: ignore[method-assign]
+            try:
+                return model()
+            finally:
+                PreTrainedModel.init_weights = stub  # type: ignore[method-assign]
+
+    return build
+
+
+def _tie_only(self: Any) -> None:
+    """``PreTrainedModel.init_weights`` (transformers 5.x) less the initialization: the tying, by the mapping
+    ``post_init`` has just computed."""
+    import inspect
+
+    if "recompute_mapping" in inspect.signature(self.tie_weights).parameters:
+        self.tie_weights(recompute_mapping=False)
+    else:
+        self.tie_weights()

@@ -15,8 +15,10 @@ from .fake import ModelSource, specs_in, to_specs
 class Request:
     """What to estimate: the model's source, the inputs (specs or a callable) and the loss function."""
 
-    def __init__(self, model: Any, inputs: Any, loss_fn: Callable[[Any], Any] | None = None) -> None:
+    def __init__(self, model: Any, inputs: Any, loss_fn: Callable[[Any], Any] | None = None,
+                 name: str | None = None) -> None:
         self.source = ModelSource(model)
+        self.name = name or self.source.name  # what the report calls the model
         if callable(inputs) and not isinstance(inputs, torch.Tensor):
             self.inputs_fn: Callable[[], Any] | None = inputs
             self.specs: Any = None

@@ -1,19 +1,21 @@
-"""The longest prompt (``max_seq``) and the largest batch (``max_batch``) whose ``generate()`` fits a GPU or a
-budget, with the same number of new tokens.
+"""The largest batch and the longest sequence (a step's) or prompt (``generate()``'s) that fit a GPU or a budget.
 
-Each trial is a whole fake ``generate()`` (seconds for an 8B model), so the search fits a model instead of
-bisecting: what the device needs grows linearly with the batch and linearly (flash and memory-efficient
-attention) or quadratically (the math kernel, eager attention's scores) with the prompt. From the estimate
-itself and one more run the fit predicts the answer; a run there and one at 1.1× it check it (fits at the
-answer, not at 1.1×), and a miss re-fits through the nearest points, a few times at most.
+Two ways, each trial an estimate made again (a replay when only what is applied after the trace changes, a new trace
+otherwise):
+
+* :func:`search_max`: doubling from the estimate's size, then bisection to within 3 % (a step: its trials are cheap
+  enough, and what it needs is not always smooth in the size);
+* :func:`fitted_max`: each trial of ``generate()`` is a whole fake loop (seconds for an 8B model), so a model is fitted
+  instead of bisecting: what the device needs grows linearly with the batch and linearly (flash and memory-efficient
+  attention) or quadratically (the math kernel, eager attention's scores) with the prompt. From the estimate itself
+  and one more run the fit predicts the answer; a run there and one at :data:`MARGIN` × it check it (fits at the
+  answer, not above), and a miss re-fits through the nearest points, :data:`MAX_TRIALS` runs at most.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import replace
-from typing import Any
 
 from ...units import format_bytes
 from ..result import Estimate
@@ -25,8 +27,78 @@ MARGIN = 1.1
 MAX_TRIALS = 8
 
 
-def _runner(est: Estimate, key: str, progress: Callable[[str], None] | None) -> Callable[[int], int | None]:
-    rerun = est.rerunnable()
+def search_max(fits: Callable[[int], bool], start: int, limit: int = 1 << 20,
+               progress: Callable[[str], None] | None = None) -> tuple[int, int]:
+    """Largest ``n`` with ``fits(n)`` (to within 3 %): doubling from ``start``, then bisection.
+    ``(n, trials)``; 0 if even 1 does not fit."""
+    trials = 0
+
+    def test(n: int) -> bool:
+        nonlocal trials
+        trials += 1
+        ok = fits(n)
+        if progress is not None:
+            progress(f"{n}: {'fits' if ok else 'does not fit'}")
+        return ok
+
+    lo, hi = 0, None
+    n = max(start, 1)
+    if test(n):
+        lo = n
+        while n < limit:
+            n = min(n * 2, limit)
+            if test(n):
+                lo = n
+            else:
+                hi = n
+                break
+        if hi is None:
+            return lo, trials
+    else:
+        hi = n
+        n = n // 2
+        while n >= 1:
+            if test(n):
+                lo = n
+                break
+            hi = n
+            n //= 2
+        if lo == 0:
+            return 0, trials
+    while hi - lo > max(1, lo // 32):  # within 3 %: each trial is a full fake run
+        mid = (lo + hi) // 2
+        if test(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, trials
+
+
+def bisected(est: Estimate, key: str, progress: Callable[[str], None] | None = None) -> int:
+    """The largest batch (``key="batch"``) or sequence length (``"seq"``, the inputs' dimension 1) whose estimate fits
+    ``est``'s capacity, by :func:`search_max`."""
+    workload = est.rerunnable()
+    if est.capacity is None:
+        raise ValueError("a capacity is needed: estimate with gpu='…' or budget='…'")
+    start = est.batch if key == "batch" else est.seq
+    if start is None:
+        raise ValueError(f"the inputs have no dimension {0 if key == 'batch' else 1} to grow")
+    opts = est.options
+    assert opts is not None
+
+    def fits(n: int) -> bool:
+        try:
+            e = workload.evaluate(opts.with_(**{key: n}))
+        except EstimateError:
+            return False
+        return bool(e.fits)
+
+    best, _ = search_max(fits, start, progress=progress)
+    return best
+
+
+def _needed(est: Estimate, key: str, progress: Callable[[str], None] | None) -> Callable[[int], int | None]:
+    workload = est.rerunnable()
     capacity, opts = est.capacity, est.options
     if capacity is None:
         raise ValueError("max_seq/max_batch need a capacity: estimate with gpu='A100-80GB' (or another known GPU) "
@@ -39,7 +111,7 @@ def _runner(est: Estimate, key: str, progress: Callable[[str], None] | None) -> 
         if n in seen:
             return seen[n]
         try:
-            e = rerun.evaluate(opts.with_(**{key: n}))
+            e = workload.evaluate(opts.with_(**{key: n}))
             got: int | None = e.needed
         except (EstimateError, MemoryError):
             got = None
@@ -82,10 +154,10 @@ def _solve(points: list[tuple[int, int]], capacity: int, quadratic: bool) -> flo
     return x0 + (capacity - y0) * (x1 - x0) / (y1 - y0)
 
 
-def search(est: Estimate, key: str, start: int, *, quadratic: bool,
-           progress: Callable[[str], None] | None = None) -> tuple[int, int]:
+def fitted_max(est: Estimate, key: str, start: int, *, quadratic: bool,
+               progress: Callable[[str], None] | None = None) -> tuple[int, int]:
     """``(answer, fake runs)``: the largest ``n`` found to fit with ``MARGIN × n`` not fitting (0: not even 1)."""
-    needed = _runner(est, key, progress)
+    needed = _needed(est, key, progress)
     capacity = est.capacity
     assert capacity is not None
     points = [(start, est.needed)]
@@ -120,33 +192,3 @@ def search(est: Estimate, key: str, start: int, *, quadratic: bool,
             n = min(max(n, fit + step), unfit - step)
         probe = max(n, fit + 1, 1)
     return fit, runs
-
-
-def longest_prompt(est: Estimate, progress: Callable[[str], None] | None = None) -> int:
-    """The longest prompt (with the estimate's batch, beams and new tokens) whose generate() fits."""
-    gen = est.generation
-    if gen is None:
-        raise ValueError("max_seq with generate= needs an estimate of generate()")
-    quadratic = any(kernel == "math" for kernel, _ in gen.sdpa) or gen.kind != "transformers" or not gen.sdpa
-    best, _ = search(est, "seq", gen.prompt, quadratic=quadratic, progress=progress)
-    return best
-
-
-def largest_batch(est: Estimate, progress: Callable[[str], None] | None = None) -> int:
-    """The largest batch (with the estimate's prompt, beams and new tokens) whose generate() fits."""
-    gen = est.generation
-    if gen is None:
-        raise ValueError("max_batch with generate= needs an estimate of generate()")
-    best, _ = search(est, "batch", gen.batch, quadratic=False, progress=progress)
-    return best
-
-
-def with_search(est: Estimate, *, max_seq: bool, max_batch: bool, progress: Any = None) -> Estimate:
-    if max_seq:
-        est = replace(est, max_seq=longest_prompt(est, progress))
-    if max_batch:
-        est = replace(est, max_batch=largest_batch(est, progress))
-    return est
-
-
-__all__ = ["MARGIN", "largest_batch", "longest_prompt", "search", "with_search"]
