@@ -50,7 +50,8 @@ WIDTH, HIDDEN = 256, 1024
 MLP_BLOCKS = 3
 TP_BATCH = 256
 PP_BLOCKS = 4
-PP_BATCH = 256
+# the pipeline's batch (rows), split into MICRO_BATCHES; VRAM_PP_BATCH sets another (the ranks inherit it)
+PP_BATCH = int(os.environ.get("VRAM_PP_BATCH", "256"))
 MICRO_BATCHES = 4
 LLAMA = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
          "vocab_size": 1024, "max_position_embeddings": 256}

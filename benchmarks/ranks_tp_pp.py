@@ -7,8 +7,10 @@ splits it; "profiler" is the highest CPU memory PyTorch's profiler saw in the sa
 fresh copy of the job (its rise above where it started, added to the measurement's ``before``). Run::
 
     .venv/bin/python benchmarks/ranks_tp_pp.py [--world 2,4] [--cases tp-mlp,pp-1f1b] [--markdown] [--repeats N]
+        [--pp-batch ROWS]
 
-``--repeats N`` runs every job N times and prints the profiler's lowest and highest peak: on gloo a collective's
+``--pp-batch ROWS`` gives the pipeline jobs another batch (default 256 rows, 4 micro-batches). ``--repeats N`` runs
+every job N times and prints the profiler's lowest and highest peak: on gloo a collective's
 buffers are let go of by gloo's worker thread, sometimes after the caller went on, so real peaks vary by a few
 buffers from run to run.
 
@@ -112,12 +114,16 @@ def main(argv: Sequence[str] = sys.argv[1:], estimate: Estimate | None = None) -
     worlds = [int(w) for w in option("--world", "2,4").split(",")]
     names = option("--cases", ",".join(pr.CASES)).split(",")
     repeats = int(option("--repeats", "1"))
+    if "--pp-batch" in args:  # the launcher and its ranks read it from the environment
+        os.environ["VRAM_PP_BATCH"] = option("--pp-batch", str(pr.PP_BATCH))
+        pr.PP_BATCH = int(os.environ["VRAM_PP_BATCH"])
     runs: dict[int, dict[str, list[dict[str, Any]]]] = {}
     spread: dict[tuple[int, str, int], tuple[int, int]] = {}
     started = time.perf_counter()
     for world in worlds:
+        fitting = [n for n in names if pr.CASES[n].fits(world)]
         for _ in range(repeats):
-            got = pr.run(world, names)
+            got = pr.run(world, fitting)
             runs.setdefault(world, got)
             for name, ranks in got.items():
                 for f in ranks:
@@ -129,7 +135,8 @@ def main(argv: Sequence[str] = sys.argv[1:], estimate: Estimate | None = None) -
           f"{repeats} run(s) of each job, {wall:.0f} s in all")
     for world in worlds:
         for name in names:
-            print(f"  {name} × {world}: {pr.CASES[name].describe(world)}")
+            if pr.CASES[name].fits(world):
+                print(f"  {name} × {world}: {pr.CASES[name].describe(world)}")
     _print(table(runs, estimate, spread), "--markdown" in args)
     print()
     for line in other_at_peak(runs):

@@ -175,6 +175,37 @@ def test_generate_estimate_on_a_gpu():
     assert abs(est.peak.total - peak) <= 0.05 * peak, (est.peak.total, peak)
 
 
+@pytest.mark.cuda
+def test_what_a_gpu_needs_is_enough_for_the_real_call():
+    """The real generate() with PyTorch's allocator limited (a memory fraction; the CUDA context is outside it) to
+    what the estimate says the allocator needs, + 5 % and a 20 MiB segment, runs through; limited to the live
+    blocks the estimate saw at that peak, less 5 %, it runs out."""
+    import vram_magic
+    from vram_magic.estimator.gpus import GPU
+
+    case = CASES["Llama MHA, long generation (peak at the last step)"]
+    props = torch.cuda.get_device_properties(0)
+    gpu = GPU("this GPU", props.total_memory, "", 0.0, capability=torch.cuda.get_device_capability())
+    est = vram_magic.estimate(case.build().eval(), case.ids(), generate=case.new, device="cuda", gpu=gpu)
+    needs = est.needed - est.context
+    model, ids = case.build().eval().cuda(), case.ids().cuda()
+
+    def runs(limit: int) -> bool:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(limit / props.total_memory)
+        try:
+            model.generate(ids, max_new_tokens=case.new, min_new_tokens=case.new, do_sample=False)
+            return True
+        except torch.OutOfMemoryError:
+            return False
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+
+    assert runs(int(needs * 1.05) + (20 << 20)), (est.needed, est.generation.in_use, est.generation.stranded)
+    assert not runs(int(est.generation.in_use * 0.95))
+
+
 def test_left_padded_prompts():
     """A padding mask (the first prompt left-padded by 32 tokens): generate() keeps it, the model builds a 4-D
     mask, SDPA takes it (on CUDA memory-efficient attention instead of flash)."""

@@ -367,3 +367,11 @@ def test_what_a_gpu_needs_for_generation_says_what_is_stranded():
     from vram_magic.estimator.generate_whatif import stranded_note
 
     assert stranded_note(gen).startswith(f"; needs {vram_magic.format_bytes(gen.stranded)} free inside segments")
+    # blocks of 512 MiB or more kept whole (max_split_size_mb, which the note suggests): nothing strands a GiB
+    replay = next(n for n in est.notes if "caching allocator replayed" in n)
+    assert "max_split_size_mb:512 keeps blocks of 512 MiB or more from being split" in replay
+    kept = vram_magic.estimate(lambda: t.LlamaForCausalLM(config), x, generate=8, dtype="fp16", gpu="T4",
+                               alloc_conf="max_split_size_mb:512")
+    assert kept.generation.stranded < 100 * MIB and not kept.generation.stranded_by
+    assert abs(kept.needed - quantized.needed) < GIB // 10
+    assert not any("not modelled for generate()" in n for n in kept.notes)

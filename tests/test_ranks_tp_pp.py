@@ -139,9 +139,10 @@ def test_tensor_parallel_llama_per_rank(runs, world: int, case: str) -> None:
         assert high["activations"]["tensor-parallel reduce-scatter output (saved for backward)"] == \
             hidden_state // world
         # gloo's worker threads let go of a collective's buffers when they are done, sometimes after the caller went
-        # on (the logits' staging buffer and shard, a few hidden states): real runs differ by up to those
+        # on: the logits' staging buffer beside the logits laid out again, the logits' shard, a few hidden states
+        # (up to 4.5 MiB more, 18 %, in the runs of docs/ranks.md)
         logits = b * s * v * F32
-        assert 0 <= late(f) <= logits + logits // world + LATE_FREES * hidden_state, late(f)
+        assert 0 <= late(f) <= 2 * logits + LATE_FREES * hidden_state, late(f)
 
 
 @_LLAMA
