@@ -162,6 +162,30 @@ def follow_ups(est: Estimate, *, what_if: bool = False, max_batch: bool = False,
     return est
 
 
+def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batch: int | None = None,
+         device: str = "cuda", allow: Any = (), interconnect: Any = None, top: int | None = 10,
+         optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
+         budget: Any = None, progress: Callable[[str], None] | None = None) -> Any:
+    """The fastest ways to make a training step of ``model`` on ``inputs`` fit ``gpus`` GPUs like ``gpu``, ranked by
+    predicted step time (a :class:`~vram_magic.estimator.plans.Plan`).
+
+    It searches micro-batch × accumulation at the same ``global_batch`` (default: the inputs' batch, split over the
+    GPUs), activation checkpointing (none, every block, every second block), ZeRO-1/2/3 or FSDP over the GPUs and the
+    optimizer's state on the host, and mixed precision (marked as changing the numerics); ``allow`` adds ``"lora"``
+    (and with ``"quantize"`` QLoRA), ``"optimizer"`` (SGD with momentum, Adafactor) and ``"batch"`` (half the global
+    batch). ``interconnect``: how the GPUs talk (``"nvlink"``, ``"pcie"``, ``"infiniband-400g"``, ``"ethernet-100g"``,
+    or bytes/s per GPU; default: the GPU's own link within a host, needed beyond 8 GPUs). ``top``: rows shown.
+    ``device="cpu"`` plans a CPU run, timed with this machine's measured profile. Each row's ``options`` are
+    :func:`estimate`'s keyword arguments that give its memory; ``plan.calibrate(report)`` scales every time by a
+    measured step.
+    """
+    from .explore.plan import plan as run
+
+    return run(model, inputs, gpu=gpu, gpus=gpus, global_batch=global_batch, device=device, allow=allow,
+               interconnect=interconnect, top=top, optimizer=optimizer, loss_fn=loss_fn, dtype=dtype, budget=budget,
+               progress=progress)
+
+
 def find_max_batch(est: Estimate, *, dim: int = 0, progress: Callable[[str], None] | None = None) -> int:
     """The largest batch (``dim=0``) or sequence length (``dim=1``; a prompt for ``generate()``) whose estimate fits
     its capacity."""
@@ -169,4 +193,4 @@ def find_max_batch(est: Estimate, *, dim: int = 0, progress: Callable[[str], Non
 
 
 __all__ = ["GPU", "GPUS", "CudaModel", "Estimate", "EstimateError", "GenerateEstimate", "StepEstimate", "Strategy",
-           "Target", "estimate", "find_gpu", "find_max_batch", "follow_ups", "make_target"]
+           "Target", "estimate", "find_gpu", "find_max_batch", "follow_ups", "make_target", "plan"]

@@ -58,7 +58,7 @@ class Options:
     dtype: torch.dtype | None = None
     amp: torch.dtype | None = None
     master_weights: bool = False  # half-precision weights and gradients, an fp32 master copy in the optimizer
-    checkpointing: bool = False
+    checkpointing: bool | int = False  # True (every block) or k (every k-th block)
     accumulate: int = 1
     zero: int | None = None  # ZeRO stage 1, 2 or 3 (3 is what FSDP's full sharding does)
     world: int = 1
@@ -98,7 +98,8 @@ class Options:
         if self.amp is not None:
             parts.append(f"AMP {short_dtype(self.amp)}")
         if self.checkpointing:
-            parts.append("checkpointing")
+            k = int(self.checkpointing)
+            parts.append("checkpointing" + (f" every {k} blocks" if k > 1 else ""))
         if self.accumulate > 1:
             parts.append(f"accumulate {self.accumulate}")
         if self.zero:
@@ -201,10 +202,23 @@ def make_options(
     return Options(
         quantize=quant, lora=rank,
         optimizer=optimizer, inference=bool(inference), dtype=dt, amp=am, master_weights=master,
-        checkpointing=bool(checkpointing),
+        checkpointing=parse_checkpointing(checkpointing),
         accumulate=accumulate, zero=zero, world=world, offload=bool(offload),
         device="cuda" if str(device).startswith("cuda") else "cpu", steps=steps,
     )
+
+
+def parse_checkpointing(value: Any) -> bool | int:
+    """``False``, ``True`` (every block) or ``k ≥ 2`` (every k-th block); ``ValueError`` otherwise."""
+    if value is None or value is False or value == 0:
+        return False
+    if value is True or value == 1:
+        return True
+    if isinstance(value, str) and value.strip().isdigit():
+        return parse_checkpointing(int(value))
+    if isinstance(value, int) and value >= 2:
+        return value
+    raise ValueError(f"checkpointing must be True (every block), False, or k ≥ 2 (every k-th block), not {value!r}")
 
 
 def parse_master_weights(value: Any) -> bool:

@@ -128,6 +128,7 @@ class _FakeStep:
         self.loss_used = "loss_fn (given)" if request.loss_fn is not None else ""
         self.last_flops: list[int] = []
         self.n_micro = 1 if opts.inference else min(opts.accumulate, 2)
+        self.ops_start = 0  # the op log's row where the last step starts
 
     # --- the model and its inputs on fake tensors -------------------------------------------------------------
     def build(self) -> None:
@@ -150,7 +151,7 @@ class _FakeStep:
             model.train()
         self.units = checkpoint_units(model)
         if opts.checkpointing and not opts.inference:
-            self.notes.append("checkpointing: " + enable_checkpointing(model, self.units))
+            self.notes.append("checkpointing: " + enable_checkpointing(model, self.units, int(opts.checkpointing)))
         self.model = model
 
     # --- the optimizer, the storages alive before the step, the tracer ------------------------------------------
@@ -227,6 +228,7 @@ class _FakeStep:
                     if last:
                         self.marks["step_start"] = len(tracer.events)
                         self.last_flops = list(tracer.flops)
+                        self.ops_start = len(tracer.ops)
                     if opts.inference:
                         self._forward(last)
                     elif step == 0 and steps > 1 and not scripted:
@@ -323,7 +325,7 @@ class _FakeStep:
             state_bytes=sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "optimizer_state"),
             unit_param_bytes=_unit_bytes(self.units), wall=time.perf_counter() - t0,
             loss="" if opts.inference else describe_loss(self.loss_used, self.model, self.specs), notes=self.notes,
-            answered=tracer.answered,
+            answered=tracer.answered, ops=tracer.ops, ops_start=self.ops_start, micro_steps=self.n_micro,
         )
 
 

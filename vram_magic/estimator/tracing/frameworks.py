@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from ...engine.torch_private import MODULE_APPLY, set_module_apply
+from ..torch_private import function_modes
 from .known_values import ATTR
 
 # keyword arguments that carry or ask for a key/value cache, in the spellings models use
@@ -97,20 +99,32 @@ def _fake_modules_convert() -> Iterator[None]:
         set_module_apply(_module_apply)
 
 
-def enable_checkpointing(model: nn.Module, units: list[nn.Module]) -> str:
-    """Switch activation checkpointing on in the (fake) model; say how."""
-    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+def enable_checkpointing(model: nn.Module, units: list[nn.Module], every: int = 1) -> str:
+    """Switch activation checkpointing on in the (fake) model, for every block or every ``every``-th one; say how.
+    The checkpoints are non-reentrant and enter the forward's function modes again for the recompute
+    (:func:`modes_again`)."""
+    for name, kwarg in (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
+                        ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs")):
         switch = _own(model, name)
-        if switch is not None and getattr(_base(model), "supports_gradient_checkpointing", True):
-            try:
-                if name == "gradient_checkpointing_enable":
-                    switch(gradient_checkpointing_kwargs={"use_reentrant": False})
-                else:
-                    switch()
-            except (ValueError, TypeError, NotImplementedError):
+        if switch is None or not getattr(_base(model), "supports_gradient_checkpointing", True):
+            continue
+        try:
+            params = inspect.signature(switch).parameters
+        except (TypeError, ValueError):
+            params = {}  # type: ignore[assignment]
+        call: dict[str, Any] = {kwarg: {"use_reentrant": False, "context_fn": modes_again}} if kwarg in params else {}
+        if every > 1:
+            if "every_n_layers" not in params:
                 continue
-            _no_cache(model)
-            return f"the model's own {name}() (non-reentrant)"
+            call["every_n_layers"] = every
+        try:
+            switch(**call)
+        except (ValueError, TypeError, NotImplementedError):
+            continue
+        _no_cache(model)
+        return f"the model's own {name}({f'every_n_layers={every}' if every > 1 else ''}) (non-reentrant)"
+    if every > 1:
+        return _every_kth(model, units, every)
     switch = _own(model, "enable_gradient_checkpointing")
     if switch is not None and getattr(_base(model), "_supports_gradient_checkpointing", True):
         try:
@@ -122,6 +136,16 @@ def enable_checkpointing(model: nn.Module, units: list[nn.Module]) -> str:
     for u in units:
         _wrap_checkpoint(u)
     return f"torch.utils.checkpoint (non-reentrant) around each of {len(units)} blocks"
+
+
+def _every_kth(model: nn.Module, units: list[nn.Module], every: int) -> str:
+    """Checkpointing of blocks 0, k, 2k, … by ``torch.utils.checkpoint`` around those blocks (a model whose own switch
+    has no ``every_n_layers``)."""
+    chosen = units[::every]
+    _no_cache(model)
+    for u in chosen:
+        _wrap_checkpoint(u)
+    return f"torch.utils.checkpoint (non-reentrant) around {len(chosen)} of {len(units)} blocks (every {every})"
 
 
 def _own(model: nn.Module, name: str) -> Any:
@@ -149,6 +173,31 @@ def _no_cache(model: nn.Module) -> None:
                 config.use_cache = False
 
 
+class _ModesAgain:
+    r"""The ``TorchFunctionMode``\ s of a checkpointed forward, entered again for its recompute: the backward runs
+    the recompute with no function mode on the stack, so a mode that chooses CUDA's kernels above autograd (SDPA,
+    dropout: ``target/attention.py``) would see the forward and not its recompute, which would then save other
+    tensors than the forward did (PyTorch's checkpoint refuses that)."""
+
+    def __init__(self, modes: list[Any]) -> None:
+        self.modes = modes
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        active = function_modes()
+        for mode in self.modes:
+            if not any(mode is m for m in active):
+                self.stack.enter_context(mode)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stack.close()
+
+
+def modes_again() -> tuple[Any, Any]:
+    """``torch.utils.checkpoint``'s ``context_fn``: nothing for the forward, its function modes for the recompute."""
+    return contextlib.nullcontext(), _ModesAgain(function_modes())
+
+
 def _wrap_checkpoint(unit: nn.Module) -> None:
     from torch.utils.checkpoint import checkpoint
 
@@ -161,7 +210,7 @@ def _wrap_checkpoint(unit: nn.Module) -> None:
         for key in _CACHE_KWARGS:
             if kwargs.get(key) is not None:
                 kwargs[key] = None
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=modes_again, **kwargs)
 
     unit.forward = forward  # type: ignore[method-assign]
 

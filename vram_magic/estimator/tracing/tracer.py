@@ -29,6 +29,7 @@ from ..torch_private import (
     push_mode,
 )
 from .known_values import answer, propagate
+from .oplog import VIEW, OpLog, first_float_dtype, op_kind, tensor_bytes
 
 # The stages of a traced step (engine/phases.py holds every phase), under the names they always had here
 SETUP, FORWARD, LOSS, BACKWARD, OPTIMIZER, ZERO_GRAD = Phase.SETUP, Phase.FORWARD, Phase.LOSS, Phase.BACKWARD, \
@@ -70,6 +71,8 @@ def tensor_spec(t: Any, channels_last: bool = False) -> Any:
 
 # op -> its only kernel is its decomposition, with no CPU kernel of its own (as ``silu_backward`` has)
 _COMPOSITE: dict[Any, bool] = {}
+# op -> its kind in the op log (oplog.py)
+_KIND: dict[Any, int] = {}
 
 
 def _shapes(args: Any, kwargs: Any) -> str:
@@ -142,6 +145,7 @@ class StepTracer(Tracker):
         self.copies: list[tuple[int, int]] = []  # (events so far, bytes) of operand copies inside CPU GEMMs
         self.gemms: list[tuple[int, Any, Any]] = []  # (events so far, op, strided argument specs): half GEMMs
         self.matmul = False  # cuBLAS would be used (and allocate its workspace) on CUDA
+        self.ops = OpLog()  # every op's stage, kind, dtype, FLOPs and bytes moved, for the time model
         # set for a CUDA estimate: SDPA runs as the CUDA kernel PyTorch would pick (cuda_attention.py)
         self.attention: CudaAttention | None = None
         self.scratching = False  # set while a CUDA attention backward runs with its kernel's scratch alive
@@ -294,8 +298,15 @@ class StepTracer(Tracker):
         self._see_outputs_fake(out, func)
         packet = func.overloadpacket
         counter = flop_registry.get(packet)
-        if counter is not None:
-            self.flops[self.stage] += int(counter(*args, **kwargs, out_val=out))
+        flops = int(counter(*args, **kwargs, out_val=out)) if counter is not None else 0
+        self.flops[self.stage] += flops
+        kind = _KIND.get(func)
+        if kind is None:
+            kind = _KIND[func] = op_kind(func, aliases(func))
+        moved = 0 if kind == VIEW else tensor_bytes(args) + tensor_bytes(out) + (
+            tensor_bytes(tuple(kwargs.values())) if kwargs else 0)
+        self.ops.add(self.stage, kind, first_float_dtype(args), self.stage == BACKWARD and bool(self.modstack), flops,
+                     moved)
         if not self.matmul and packet.__name__ in _MATMULS:
             self.matmul = True
         if func is _CONV or func is _CONV_BACKWARD:
