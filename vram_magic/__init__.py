@@ -29,6 +29,7 @@ __all__ = [
     "DeviceStats",
     "OomInfo",
     "estimate",
+    "plan",
     "format_bytes",
     "gather",
     "load_ipython_extension",
@@ -128,6 +129,30 @@ def estimate(
     # signature and docstring (tests/test_estimate.py holds the two together)
     options = dict(locals())
     from .estimator import estimate as run
+
+    return run(**options)
+
+
+def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batch: int | None = None,
+         device: str = "cuda", allow: Any = (), interconnect: Any = None, top: int | None = 10,
+         optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
+         budget: Any = None, name: str | None = None, progress: Callable[[str], None] | None = None) -> Any:
+    """The fastest ways to make a training step of ``model`` on ``inputs`` fit ``gpus`` GPUs like ``gpu``, ranked by
+    predicted step time (a :class:`~vram_magic.estimator.plans.Plan`).
+
+    It searches micro-batch × accumulation at the same ``global_batch`` (default: the inputs' batch, split over the
+    GPUs), activation checkpointing (none, every block, every second block), ZeRO-1/2/3 or FSDP over the GPUs and the
+    optimizer's state on the host, and mixed precision (marked as changing the numerics); ``allow`` adds ``"lora"``
+    (and with ``"quantize"`` QLoRA), ``"optimizer"`` (SGD with momentum, Adafactor) and ``"batch"`` (half the global
+    batch). ``interconnect``: how the GPUs talk (``"nvlink"``, ``"pcie"``, ``"infiniband-400g"``, ``"ethernet-100g"``,
+    or bytes/s per GPU; default: the GPU's own link within a host, needed beyond 8 GPUs). ``top``: rows shown.
+    ``device="cpu"`` plans a CPU run, timed with this machine's measured profile. Each row's ``options`` are
+    :func:`estimate`'s keyword arguments that give its memory; ``plan.calibrate(report)`` scales every time by a
+    measured step.
+    """
+    # the planner (and torch) are imported on the first call; its plan() has this signature and docstring
+    options = dict(locals())
+    from .estimator import plan as run
 
     return run(**options)
 

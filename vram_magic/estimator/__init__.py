@@ -165,7 +165,7 @@ def follow_ups(est: Estimate, *, what_if: bool = False, max_batch: bool = False,
 def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batch: int | None = None,
          device: str = "cuda", allow: Any = (), interconnect: Any = None, top: int | None = 10,
          optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
-         budget: Any = None, progress: Callable[[str], None] | None = None) -> Any:
+         budget: Any = None, name: str | None = None, progress: Callable[[str], None] | None = None) -> Any:
     """The fastest ways to make a training step of ``model`` on ``inputs`` fit ``gpus`` GPUs like ``gpu``, ranked by
     predicted step time (a :class:`~vram_magic.estimator.plans.Plan`).
 
@@ -183,7 +183,7 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
 
     return run(model, inputs, gpu=gpu, gpus=gpus, global_batch=global_batch, device=device, allow=allow,
                interconnect=interconnect, top=top, optimizer=optimizer, loss_fn=loss_fn, dtype=dtype, budget=budget,
-               progress=progress)
+               name=name, progress=progress)
 
 
 def find_max_batch(est: Estimate, *, dim: int = 0, progress: Callable[[str], None] | None = None) -> int:

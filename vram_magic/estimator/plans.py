@@ -127,3 +127,55 @@ class Plan(Rendered):
         from .render.plan import plan_html
 
         return plan_html(self)
+
+
+@dataclass(frozen=True)
+class PlanCheck(Rendered):
+    """A measured cell set beside the plan row it claims to follow: memory by category and time, predicted and
+    measured (``%%vram --plan NAME[:ROW]``)."""
+
+    row: PlanRow
+    index: int
+    measured: Breakdown
+    measured_time: float
+    device: str  # where the cell ran
+    planned_device: str
+    calibrated: bool = False
+    cell: int | None = None
+
+    @property
+    def ratio(self) -> float:
+        """Measured over predicted step time."""
+        return self.measured_time / self.row.step_time if self.row.step_time > 0 else float("nan")
+
+    def _text(self) -> str:
+        from .render.plan import check_text
+
+        return check_text(self)
+
+    def _html(self) -> str:
+        from .render.plan import check_html
+
+        return check_html(self)
+
+
+def check(plan: Plan, index: int, report: Any) -> PlanCheck:
+    """``report`` (a ``%%vram`` report or a ``measure()`` result) set beside ``plan``'s row ``index``."""
+    row = plan.rows[index]
+    return PlanCheck(row, index, report.peak, float(getattr(report, "wall_time", 0.0)), str(report.device),
+                     plan.device, plan.calibration is not None, getattr(report, "cell", None))
+
+
+def plan_row(value: Any, text: str) -> tuple[Plan, int]:
+    """``(plan, row)`` from ``%%vram --plan NAME[:ROW]`` (``value`` the object NAME holds); ``ValueError`` saying what
+    is accepted."""
+    name, _, row = text.partition(":")
+    if not isinstance(value, Plan):
+        raise ValueError(f"--plan {name}: {name!r} holds no plan (make one with %vram_plan … -o {name})")
+    try:
+        index = int(row) if row else 0
+    except ValueError:
+        raise ValueError(f"--plan {text}: the row must be a number, e.g. --plan {name}:0") from None
+    if not 0 <= index < len(value.rows):
+        raise ValueError(f"--plan {text}: the plan has rows 0 … {len(value.rows) - 1}")
+    return value, index

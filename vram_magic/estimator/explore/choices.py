@@ -33,8 +33,8 @@ class Choice:
         return self.micro * self.accumulate
 
     def trace_class(self) -> tuple[Any, ...]:
-        """What changes the fake run besides the micro-batch."""
-        return (self.checkpointing, self.amp, self.lora, self.quantize, self.optimizer, self.accumulate > 1)
+        """What changes the fake run besides the micro-batch and accumulation."""
+        return (self.checkpointing, self.amp, self.lora, self.quantize, self.optimizer)
 
     def options(self, base: Options, gpus: int) -> Options:
         return base.with_(batch=self.per_rank, accumulate=self.accumulate, checkpointing=self.checkpointing,
@@ -72,7 +72,7 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
             code.append("model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
         else:
             code.append("from torch.utils.checkpoint import checkpoint\n"
-                        f"# in the forward, around {'every block' if every == 1 else f'every {every}th block'}:\n"
+                        f"# in the forward, around {'every block' if every == 1 else f'one block in {every}'}:\n"
                         "x = checkpoint(block, x, use_reentrant=False)")
         trade.append("the checkpointed blocks' forward runs again in the backward")
     if c.amp is not None:

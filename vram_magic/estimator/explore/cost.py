@@ -139,7 +139,7 @@ def offload(params: float, grads: float, pcie: float, ranks_per_host: int, param
     """``(transfers, host update)`` in seconds per step for optimizer state on the host: one rank's ``grads`` bytes down
     and ``params`` bytes up over ``pcie`` bytes/s, and its ``parameters`` updated by a host shared with
     ``ranks_per_host`` ranks."""
-    transfers = (params + grads) / (pcie * PCIE_EFFICIENCY)
+    transfers = (params + grads) / (pcie * PCIE_EFFICIENCY) if pcie > 0 else 0.0
     update = parameters / (HOST_ADAM_RATE / max(ranks_per_host, 1))
     return transfers, update
 

@@ -37,8 +37,8 @@ from .timing import Network, micro_ops, network_for, rates_for, step_time
 ALLOWED = ("lora", "quantize", "optimizer", "batch")
 #: micro-batch sizes tried per trace class at most
 MAX_MICRO = 6
-#: exact estimates made at most, beyond the anchors, to fill the rows shown
-MAX_EXACT = 40
+#: exact estimates made at most to fill the rows shown
+MAX_EXACT = 30
 
 
 def parse_allow(allow: Any) -> frozenset[str]:
@@ -66,10 +66,12 @@ def micro_sizes(per_rank: int) -> list[int]:
 
 @dataclass
 class _Anchor:
-    """A trace class measured exactly at one micro-batch: the estimate's need and model states, its ops' times."""
+    """A trace class estimated exactly at its largest micro-batch (one micro-batch a step, nothing sharded): what it
+    needs, its activations at the peak, its model states, its ops' times."""
 
     micro: int
     needed: int
+    activations: int
     model_states: int
     ops: OpTimes
     trace: Any
@@ -85,7 +87,7 @@ class Planner:
         self.workload = StepWorkload(request, target)
         self.base, self.target, self.gpus, self.net, self.progress = base, target, gpus, net, progress
         self.rates = rates_for(base.device, target.gpu)
-        self.anchors: dict[Any, list[_Anchor]] = {}
+        self.anchors: dict[Any, _Anchor] = {}
 
     def say(self, text: str) -> None:
         if self.progress is not None:
@@ -94,31 +96,29 @@ class Planner:
     def options(self, c: Choice) -> Options:
         return c.options(self.base, self.gpus)
 
-    def anchor(self, c: Choice, micro: int) -> _Anchor:
-        opts = self.options(replace(c, micro=micro, accumulate=c.per_rank // micro, zero=None, offload=False))
-        self.say(f"tracing {describe(c, self.base).name} at micro-batch {micro}")
-        est = self.workload.evaluate(opts)
-        trace = self.workload.trace(opts)
-        return _Anchor(micro, est.needed, est.model_states, micro_ops(trace, self.rates), trace)
-
-    def anchors_of(self, c: Choice, micros: list[int]) -> list[_Anchor]:
+    def anchor(self, c: Choice) -> _Anchor:
+        """The anchor of ``c``'s trace class: traced at one micro-batch of the whole per-rank batch."""
         key = c.trace_class()
         if key not in self.anchors:
-            self.anchors[key] = [self.anchor(c, m) for m in micros[:2]]
+            whole = replace(c, micro=c.per_rank, accumulate=1, zero=None, offload=False)
+            self.say(f"tracing {describe(whole, self.base).name}")
+            est = self.workload.evaluate(self.options(whole))
+            trace = self.workload.trace(self.options(whole))
+            self.anchors[key] = _Anchor(whole.micro, est.needed, est.peak["activations"], est.model_states,
+                                        micro_ops(trace, self.rates), trace)
         return self.anchors[key]
 
-    def screen(self, c: Choice, micros: list[int]) -> tuple[int, StepTime]:
-        """``(needed, time)`` of ``c`` from its class's anchors: interpolated in the micro-batch, the layout's share
-        of the model states and its buffers computed."""
-        anchors = self.anchors_of(c, micros)
-        a = anchors[0]
-        b = anchors[-1]
-        w = (c.micro - a.micro) / (b.micro - a.micro) if b.micro != a.micro else 0.0
-        needed = a.needed + (b.needed - a.needed) * w
-        ops = OpTimes(*(x + (y - x) * w for x, y in zip(
-            (a.ops.compute, a.ops.memory, a.ops.recompute, a.ops.optimizer),
-            (b.ops.compute, b.ops.memory, b.ops.recompute, b.ops.optimizer))))
+    def screen(self, c: Choice) -> tuple[int, StepTime]:
+        """``(needed, time)`` of ``c`` from its class's anchor: the activations and the ops' times scaled to the
+        micro-batch (accumulation keeping every gradient alive into the next micro-batch), the layout's share of the
+        model states and its buffers computed."""
+        a = self.anchor(c)
+        share = c.micro / a.micro
+        needed = a.needed - a.activations * (1 - share)
         opts = self.options(c)
+        if c.accumulate > 1:
+            needed += a.trace.grad_bytes
+        ops = OpTimes(a.ops.compute * share, a.ops.memory * share, a.ops.recompute * share, a.ops.optimizer)
         layout = ZeroLayout.of(opts, a.trace)
         states = layout.model_states(a.trace, opts, a.trace.state_bytes)
         needed += states - a.model_states + sum(layout.buffers(True).values())
@@ -146,9 +146,10 @@ def choices(base: Options, per_rank: int, global_batch: int, gpus: int, allow: f
         optimizers += ["sgd-momentum", "adafactor"]
     batches = [global_batch] + ([global_batch // 2] if "batch" in allow and global_batch // 2 >= gpus
                                 and (global_batch // 2) % gpus == 0 else [])
-    layouts: list[tuple[int | None, bool]] = [(None, False), (None, True)]
+    offloads = (False, True) if base.device == "cuda" else (False,)  # a CPU's optimizer state is on the host already
+    layouts: list[tuple[int | None, bool]] = [(None, o) for o in offloads]
     if gpus > 1:
-        layouts += [(z, o) for z in (1, 2, 3) for o in (False, True)]
+        layouts += [(z, o) for z in (1, 2, 3) for o in offloads]
     out = []
     for g in batches:
         rank_batch = g // gpus
@@ -165,7 +166,7 @@ def choices(base: Options, per_rank: int, global_batch: int, gpus: int, allow: f
 def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batch: int | None = None,
          device: str = "cuda", allow: Any = (), interconnect: Any = None, top: int | None = 10,
          optimizer: Any = "adamw", loss_fn: Any = None, dtype: Any = None, budget: Any = None,
-         progress: Callable[[str], None] | None = None) -> Plan:
+         name: str | None = None, progress: Callable[[str], None] | None = None) -> Plan:
     """:func:`vram_magic.plan`; see its documentation."""
     t0 = time.perf_counter()
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
@@ -185,7 +186,7 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
     from ..tracing.fake import check_inputs
 
     check_inputs(inputs)
-    request = Request(model, inputs, loss_fn)
+    request = Request(model, inputs, loss_fn, name=name)
     batch, tokens = _inputs_batch(request)
     global_batch = batch if global_batch is None else global_batch
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -195,10 +196,9 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
     net = network_for(target.gpu, gpus, interconnect)
     planner = Planner(request, base, target, gpus, net, progress)
     half = torch.bfloat16 if target.gpu is None or target.gpu.has_bf16 else torch.float16
-    first = planner.anchors_of(Choice(1, global_batch // gpus, False, None, False, None, base.lora, base.quantize,
-                                      None, global_batch), [1])
-    blocks = len(first[0].trace.unit_param_bytes)
-    planner.anchors.clear()
+    first = planner.anchor(Choice(global_batch // gpus, 1, False, None, False, None, base.lora, base.quantize, None,
+                                  global_batch))
+    blocks = len(first.trace.unit_param_bytes)
     space = choices(base, global_batch // gpus, global_batch, gpus, allowed, half, blocks)
     planner.say(f"screening {len(space)} combinations")
     return _rank(planner, space, top, tokens, request, t0)
@@ -210,14 +210,13 @@ def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request:
     assert capacity is not None
     scored: list[tuple[Choice, int, StepTime]] = []
     for c in space:
-        micros = micro_sizes(c.per_rank)
-        needed, t = planner.screen(c, micros)
+        needed, t = planner.screen(c)
         scored.append((c, needed, t))
-    order = sorted(scored, key=lambda s: (s[1] > capacity, s[2].total if s[1] <= capacity else s[1]))
+    fitting = sorted((s for s in scored if s[1] <= capacity), key=lambda s: s[2].total)
     rows: list[PlanRow] = []
     exact: dict[Choice, tuple[Any, StepTime]] = {}
-    for c, _needed, _t in order:
-        if len([r for r in rows if r.fits]) >= top or len(exact) >= MAX_EXACT + top:
+    for c, _needed, _t in fitting:  # the fastest the screen says fit, estimated exactly until enough do
+        if len(rows) >= top or len(exact) >= MAX_EXACT:
             break
         planner.say(f"estimating {describe(c, planner.base).name} exactly")
         est, t = planner.exact(c)
@@ -226,7 +225,11 @@ def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request:
             rows.append(_row(c, est, t, planner, tokens, request))
     notes: list[str] = []
     rows.sort(key=lambda r: r.step_time)
-    if not rows:  # nothing fits: the closest, exactly
+    if not rows:  # nothing fits: the closest by the screen, estimated exactly
+        for c, _needed, _t in sorted(scored, key=lambda s: s[1])[:top]:
+            if c not in exact:
+                planner.say(f"estimating {describe(c, planner.base).name} exactly")
+                exact[c] = planner.exact(c)
         closest = sorted(exact.items(), key=lambda kv: kv[1][0].needed)[:top]
         rows = [_row(c, est, t, planner, tokens, request) for c, (est, t) in closest]
         notes.append("nothing fits: the rows are the combinations that come closest, by what they need")

@@ -6,12 +6,13 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from ...render.bars import Cell, grid_html
+from ...render.bars import Cell, grid_html, values_html
+from ...render.text import table
 from ...render.theme import BAD, GOOD, MUTED, NUM, ROOT, SMALL
 from ...units import format_bytes
 
 if TYPE_CHECKING:
-    from ..plans import Plan, PlanRow
+    from ..plans import Plan, PlanCheck, PlanRow
 
 #: the parts of a step's time, in the order the columns show them
 PARTS = ("compute", "memory", "recompute", "optimizer", "transfers", "collectives", "bubble")
@@ -105,5 +106,34 @@ def plan_html(p: Plan) -> str:
             parts.append(f'<div style="{SMALL}"><code>{html.escape(line.strip())}</code></div>')
         else:
             parts.append(f'<div class="vram-note" style="{SMALL};{style}">{html.escape(line)}</div>')
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _check_lines(c: PlanCheck) -> list[str]:
+    r = c.row
+    lines = [f"time: predicted {seconds(r.step_time)}{' (calibrated)' if c.calibrated else ''}, measured "
+             f"{seconds(c.measured_time)} (×{c.ratio:.2f})"]
+    if not c.calibrated:
+        lines.append("plan.calibrate(report) scales every row's time by the measured step")
+    if c.device.split(":")[0] != c.planned_device:
+        lines.append(f"the cell ran on {c.device}, the plan is for {c.planned_device}: the figures compare "
+                     "different devices")
+    lines.append("the cell is taken to run one optimizer step of the row (its time includes whatever else it ran)")
+    return lines
+
+
+def check_text(c: PlanCheck) -> str:
+    out = [f"%%vram --plan row {c.index}: {c.row.name}",
+           table([("predicted", c.row.peak), ("measured", c.measured)])]
+    out += [f"  {line}" for line in _check_lines(c)]
+    return "\n".join(out)
+
+
+def check_html(c: PlanCheck) -> str:
+    parts = [f'<div class="vram-report vram-plan-check" style="{ROOT}">',
+             f'<div class="vram-title" style="font-weight:bold">%%vram --plan row {c.index}: '
+             f"{html.escape(c.row.name)}</div>", values_html([("predicted", c.row.peak), ("measured", c.measured)])]
+    parts += [f'<div style="{SMALL}">{html.escape(line)}</div>' for line in _check_lines(c)]
     parts.append("</div>")
     return "".join(parts)
