@@ -37,7 +37,7 @@ KNOWN_RENDER_CIRCLES = {
 # a result's text, HTML, plot and snapshot file come from its renderer, imported when the result is shown or saved
 # (``_text`` and ``_html`` are what a result gives vram_magic.rendered.Rendered)
 RENDER_METHODS = {"__str__", "__repr__", "_repr_html_", "_repr_mimebundle_", "_repr_pretty_", "_text", "_html",
-                  "timeline", "save_snapshot"}
+                  "timeline", "figure", "save_snapshot"}
 
 
 def modules() -> dict[str, Path]:

@@ -158,7 +158,8 @@ def test_calibration_scales_every_time_by_the_measured_step():
 
 def test_magics_plan_and_cell_beside_its_row(shell):
     run_ok(shell, "import torch\nfrom torch import nn\n"
-                  "model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))\nx = torch.randn(8, 256)")
+                  "model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))\n"
+                  "x = torch.randn(8, 256)")
     run_ok(shell, "%vram_plan model --input x --device cpu --budget 64MiB --top 2 -q -o p")
     plan = shell.user_ns["p"]
     assert plan.model == "model" and len(plan.rows) <= 2
