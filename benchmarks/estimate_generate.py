@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vram_magic  # noqa: E402
-from vram_magic.estimator.gpus import find_gpu  # noqa: E402
+from vram_magic.estimator.target.gpus import find_gpu  # noqa: E402
 from vram_magic.units import format_bytes  # noqa: E402
 
 GiB, MiB = 1024**3, 1024**2

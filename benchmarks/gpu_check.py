@@ -243,14 +243,14 @@ def gpu_tests(env: dict[str, str], out: list[str], timeout: float) -> Table:
 def detected_gpu():
     import torch
 
-    from vram_magic.estimator.gpus import GPU, find_gpu
+    from vram_magic.estimator.target.gpus import GPU, find_gpu
 
     name = torch.cuda.get_device_name(0)
     try:
         return find_gpu(name)
     except ValueError:
         props = torch.cuda.get_device_properties(0)
-        return GPU(name, int(props.total_memory), "detected", 0.0, capability=(props.major, props.minor))
+        return GPU(name, int(props.total_memory), "detected", capability=(props.major, props.minor))
 
 
 def estimate_one(name: str, dry: bool) -> None:
@@ -489,7 +489,7 @@ def cudnn_workspace(out: list[str], dry: bool, deadline: float) -> Table:
     """What cuDNN takes beyond a convolution's tensors, per distinct convolution of the zoo's conv models: the
     figure the estimator models as a constant (``cuda_model.CUDNN_WORKSPACE``), to be set from these numbers."""
     sys.path.insert(0, ROOT)
-    from vram_magic.estimator.cuda_model import CUDNN_WORKSPACE
+    from vram_magic.estimator.target.cuda import CUDNN_WORKSPACE
 
     mib = 2**20
     t = Table(f"cuDNN workspace per convolution, beyond its tensors (modelled: {CUDNN_WORKSPACE / mib:g} MiB each)",

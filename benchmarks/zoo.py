@@ -242,7 +242,7 @@ def real_peak(build: Callable[[], nn.Module], make_inputs: Callable[[], object],
 
     from torch.profiler import ProfilerActivity, profile
 
-    from vram_magic.estimator.run import default_loss
+    from vram_magic.estimator.tracing.loss import default_loss
 
     torch.manual_seed(0)
     model, inputs = build(), make_inputs()

@@ -18,10 +18,11 @@ from torch import nn
 from torch.nn import functional as F
 
 import vram_magic
-from vram_magic.estimator.cuda_attention import CudaAttention, CudaKernelMode, rules_for, sdpa_kernel
 from vram_magic.estimator.options import make_options
-from vram_magic.estimator.run import Request, trace_step
+from vram_magic.estimator.step.trace import trace_step
+from vram_magic.estimator.target.attention import CudaAttention, CudaKernelMode, rules_for, sdpa_kernel
 from vram_magic.estimator.torch_private import FakeTensorMode
+from vram_magic.estimator.tracing.request import Request
 
 A100, T4, H100, RTX4090 = (8, 0), (7, 5), (9, 0), (8, 9)
 
@@ -241,7 +242,7 @@ def _real_peak(build, inputs, dtype):
 
 
 def _detected_gpu():
-    from vram_magic.estimator.gpus import find_gpu
+    from vram_magic.estimator.target.gpus import find_gpu
 
     try:
         return find_gpu(torch.cuda.get_device_name(0))

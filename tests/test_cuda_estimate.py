@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import vram_magic
-from vram_magic.estimator.cuda_model import CudaModel, allocator_layout, cublas_workspace
-from vram_magic.estimator.gpus import find_gpu
+from vram_magic.estimator.target.cuda import CudaModel, allocator_layout, cublas_workspace
+from vram_magic.estimator.target.gpus import find_gpu
 
 KiB, MiB = 1024, 1024**2
 DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8"
@@ -27,10 +27,10 @@ def test_cublas_workspace_is_chosen_by_compute_capability():
 
 
 def test_blackwell_capabilities_take_32_mib():
-    from vram_magic.estimator.gpus import GPU
+    from vram_magic.estimator.target.gpus import GPU
 
     for cap in ((10, 0), (11, 0), (12, 0)):
-        gpu = GPU("future", 32 * 1024 * MiB, "blackwell", 1.0, capability=cap)
+        gpu = GPU("future", 32 * 1024 * MiB, "blackwell", capability=cap)
         assert cublas_workspace(gpu)[0] == 32 * MiB
 
 

@@ -349,7 +349,7 @@ def test_gpu_expandable_segments_in_a_measured_cell_and_the_estimate():
             gpu = find_gpu(name)
         except ValueError:
             p = torch.cuda.get_device_properties(0)
-            gpu = GPU(name, int(p.total_memory), "detected", 0.0, capability=(p.major, p.minor))
+            gpu = GPU(name, int(p.total_memory), "detected", capability=(p.major, p.minor))
         torch.manual_seed(0)
         model, x = torch.nn.Linear(1000, 5000), torch.randn(8, 1000)
         est = vram_magic.estimate(model, x, gpu=gpu)

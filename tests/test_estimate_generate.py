@@ -160,7 +160,7 @@ def test_generate_estimate_on_a_gpu():
 
     case = CASES["Llama MHA, long generation (peak at the last step)"]
     major, minor = torch.cuda.get_device_capability()
-    from vram_magic.estimator.gpus import GPU
+    from vram_magic.estimator.target.gpus import GPU
 
     gpu = GPU("this GPU", torch.cuda.get_device_properties(0).total_memory, "", capability=(major, minor))
     est = vram_magic.estimate(case.build().eval(), case.ids(), generate=case.new, device="cuda", gpu=gpu)
@@ -180,8 +180,9 @@ def test_what_a_gpu_needs_is_enough_for_the_real_call():
     """The real generate() with PyTorch's allocator limited (a memory fraction; the CUDA context is outside it) to
     what the estimate says the allocator needs, + 5 % and a 20 MiB segment, runs through; limited to the live
     blocks the estimate saw at that peak, less 5 %, it runs out."""
-    import vram_magic
     from vram_magic.estimator.gpus import GPU
+
+    import vram_magic
 
     case = CASES["Llama MHA, long generation (peak at the last step)"]
     props = torch.cuda.get_device_properties(0)

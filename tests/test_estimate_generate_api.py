@@ -11,7 +11,7 @@ from conftest import run, skip_module_without_transformers_5
 from generate_zoo import CASES, TupleGPT, llama
 
 import vram_magic
-from vram_magic.estimator.generate_cuda import sdpa_kernel
+from vram_magic.estimator.target.attention import sdpa_kernel
 
 skip_module_without_transformers_5()
 
@@ -146,20 +146,19 @@ def test_a_builder_keeps_tied_embeddings_tied(kind):
 
 # --- the longest prompt, the largest batch ------------------------------------------------------------------
 def test_longest_prompt_and_largest_batch_are_self_consistent():
-    from vram_magic.estimator.generate_estimate import evaluate_generate, spec_of
+    from vram_magic.estimator.generate.workload import GenerateWorkload
 
     model = small_llama()  # estimates hold the model weakly: keep it for the re-runs below
     est = vram_magic.estimate(model, ids(), generate=8, device="cpu", budget="40MiB", max_seq=True, max_batch=True)
     request, target = est.rerun.request, est.rerun.target
-    spec = spec_of(est)
 
-    def fits(**size: int) -> bool:
-        return bool(evaluate_generate(request, est.options.with_(**size), spec, target).fits)
+    def fits(**size: int) -> bool:  # each a workload of its own: traced anew, nothing kept from the search
+        return bool(GenerateWorkload(request, target).evaluate(est.options.with_(**size)).fits)
 
-    assert est.max_seq and est.max_batch
-    assert fits(seq=est.max_seq) and not fits(seq=math.ceil(est.max_seq * 1.1))
+    assert est.max_prompt and est.max_batch
+    assert fits(seq=est.max_prompt) and not fits(seq=math.ceil(est.max_prompt * 1.1))
     assert fits(batch=est.max_batch) and not fits(batch=math.ceil(est.max_batch * 1.1))
-    assert f"longest prompt that fits with 8 new tokens: {est.max_seq}" in str(est)
+    assert f"longest prompt that fits with 8 new tokens: {est.max_prompt}" in str(est)
 
 
 # --- what-ifs --------------------------------------------------------------------------------------------------
@@ -192,21 +191,19 @@ def test_logits_to_keep_what_if_for_a_model_that_computes_all_logits():
 
 
 def test_reruns_keep_the_quantized_cache_bits_and_logits_to_keep():
-    """A re-run made from an estimate's facts (spec_of) is the estimate's own: a quantized cache's bits and the
-    logits_to_keep what-if travel with it, and its what-ifs do not offer it again."""
-    from vram_magic.estimator.generate_estimate import evaluate_generate, spec_of
-    from vram_magic.estimator.generate_search import with_search
-    from vram_magic.estimator.generate_whatif import candidates
+    """A re-run with an estimate's options is the estimate's own: a quantized cache's bits and the logits_to_keep
+    what-if are options like any other, and its what-ifs do not offer them again."""
+    from vram_magic.estimator import follow_ups
+    from vram_magic.estimator.generate.workload import GenerateWorkload
 
     def offered(est) -> set[str]:  # the what-if rows the estimate's table would re-run
-        return {c[0] for c in candidates(est.options, spec_of(est), est.generation)}
+        return {c.name for c in est.rerunnable().candidates(est)}
 
     model, x = small_llama(), ids(2, 64)
     est4 = vram_magic.estimate(model, x, generate=8, device="cpu", cache_implementation="quantized", budget="40MiB")
     assert "quantized cache (int2)" in offered(est4) and "quantized cache (int4)" not in offered(est4)
-    est2 = est4.rerunnable().evaluate(est4.options, cache_bits=2)  # the int2 row, as an estimate
-    spec = spec_of(est2)
-    assert spec == est2.rerun.spec and spec.cache_bits == 2
+    est2 = est4.rerunnable().evaluate(est4.options.with_(cache_bits=2))  # the int2 row, as an estimate
+    assert est2.options.cache_bits == 2 and est2.generation.cache_bits == 2
     assert "(int2)" in est2.description and "(int4)" in est4.description
     # by hand, per layer and tensor: 2 rows × 2 kv heads × 64 prompt tokens × 32 dims quantized at the prefill,
     # packed with an fp32 scale and shift per 64 values; the 7 decoding steps' tokens in the full-precision residual
@@ -214,21 +211,22 @@ def test_reruns_keep_the_quantized_cache_bits_and_logits_to_keep():
     residual = 2 * 2 * 7 * 32 * F32
     assert est4.generation.kv_cache == 4 * 2 * (values // 2 + 2 * (values // 64) * F32 + residual)
     assert est2.generation.kv_cache == 4 * 2 * (values // 4 + 2 * (values // 64) * F32 + residual)
-    again = evaluate_generate(est2.rerun.request, est2.options, spec, est2.rerun.target)
+    request, target = est2.rerun.request, est2.rerun.target
+    again = GenerateWorkload(request, target).evaluate(est2.options)
     assert again.generation.kv_cache == est2.generation.kv_cache and again.peak.total == est2.peak.total
     assert not any(name.startswith("quantized cache") for name in offered(est2))
-    # the longest prompt of the int2 estimate, checked by re-runs made from its facts
-    found = with_search(est2, max_seq=True, max_batch=False)
+    # the longest prompt of the int2 estimate, checked by estimates traced anew with its options
+    found = follow_ups(est2, max_seq=True)
 
     def fits(seq: int) -> bool:
-        return bool(evaluate_generate(est2.rerun.request, est2.options.with_(seq=seq), spec, est2.rerun.target).fits)
+        return bool(GenerateWorkload(request, target).evaluate(est2.options.with_(seq=seq)).fits)
 
-    assert found.max_seq and fits(found.max_seq) and not fits(math.ceil(found.max_seq * 1.1))
+    assert found.max_prompt and fits(found.max_prompt) and not fits(math.ceil(found.max_prompt * 1.1))
     # the logits_to_keep what-if of a decoder that computes every position's logits
     tuple_model = TupleGPT().eval()
     full = vram_magic.estimate(tuple_model, ids(2, 64, vocab=2000), generate=8, device="cpu")
-    keep = full.rerunnable().evaluate(full.options, last_logits_only=True)
-    assert spec_of(keep).last_logits_only and spec_of(keep) == keep.rerun.spec
+    keep = full.rerunnable().evaluate(full.options.with_(last_logits_only=True))
+    assert keep.options.last_logits_only and keep.generation.last_logits_only
     assert "logits_to_keep=1" in keep.description
     assert "logits_to_keep=1" in offered(full) and "logits_to_keep=1" not in offered(keep)
 
@@ -355,7 +353,7 @@ def test_what_a_gpu_needs_for_generation_says_what_is_stranded():
                            num_key_value_heads=2, vocab_size=32000, max_position_embeddings=16384)
     x = torch.randint(0, 32000, (1, 8192), generator=torch.Generator().manual_seed(0))
     est = vram_magic.estimate(lambda: t.LlamaForCausalLM(config), x, generate=8, dtype="fp16", gpu="T4")
-    quantized = est.rerunnable().evaluate(est.options, cache_implementation="quantized")
+    quantized = est.rerunnable().evaluate(est.options.with_(cache_implementation="quantized"))
     for e in (est, quantized):
         g = e.generation
         assert e.needed == g.in_use + g.stranded + e.context  # segments holding live blocks at their peak

@@ -8,7 +8,7 @@ import re
 import torch
 
 import vram_magic
-from vram_magic.estimator.render import strategies_text
+from vram_magic.estimator.render.table import strategies_text
 from vram_magic.estimator.result import Strategy
 from vram_magic.units import format_bytes
 

@@ -13,7 +13,7 @@ from torch import nn
 from zoo import real_peak
 
 import vram_magic
-from vram_magic.estimator.compiled import supported
+from vram_magic.estimator.tracing.compiled.backend import supported
 
 # a real Inductor compile takes seconds; before PyTorch 2.9 compiled parts are estimated as eager code
 pytestmark = pytest.mark.slow
@@ -136,7 +136,7 @@ def test_every_what_if_row_runs_on_a_compiled_model():
 
 
 def test_without_support_compiled_parts_are_estimated_as_eager_code_and_said(monkeypatch):
-    import vram_magic.estimator.compiled as compiled
+    import vram_magic.estimator.tracing.compiled.backend as compiled
 
     monkeypatch.setattr(compiled, "supported", lambda: False)
     model, inputs = GPT(layers=1), batch()

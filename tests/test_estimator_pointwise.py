@@ -16,7 +16,7 @@ from torch import nn
 from zoo import real_peak
 
 import vram_magic
-from vram_magic.estimator.compiled import supported
+from vram_magic.estimator.tracing.compiled.backend import supported
 
 D, LAYERS, BATCH = 512, 4, 4096
 

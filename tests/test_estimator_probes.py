@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from vram_magic.estimator.scratch import gemm_scratch
+from vram_magic.estimator.tracing.scratch import gemm_scratch
 
 
 def _operand(rows: int, cols: int) -> tuple[str, tuple[int, int], tuple[int, int], torch.dtype]:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vram_magic.estimator.generate_loop import grown_value
+from vram_magic.estimator.generate.loop import grown_value
 from vram_magic.estimator.torch_private import FakeTensorMode
-from vram_magic.estimator.values import attach, propagate, value_of
+from vram_magic.estimator.tracing.known_values import attach, propagate, value_of
 
 aten = torch.ops.aten
 

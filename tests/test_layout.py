@@ -28,19 +28,16 @@ KNOWN_LONG_CLASSES = {
 KNOWN_PREFIX_FOLDERS = {
     "vram_magic/engine/cell*",
     "vram_magic/engine/cuda*",
-    "vram_magic/estimator/compiled*",
-    "vram_magic/estimator/generate*",
 }
 KNOWN_REEXPORTS: set[str] = set()
 # circles when a result's render methods count, their renderers' type-only imports aside
 KNOWN_RENDER_CIRCLES = {
-    frozenset({"vram_magic.estimator.generate_render", "vram_magic.estimator.render", "vram_magic.estimator.result"}),
     frozenset({"vram_magic.ranks.render", "vram_magic.ranks.result"}),
 }
 # a result's text, HTML, plot and snapshot file come from its renderer, imported when the result is shown or saved
 # (``_text`` and ``_html`` are what a result gives vram_magic.rendered.Rendered)
 RENDER_METHODS = {"__str__", "__repr__", "_repr_html_", "_repr_mimebundle_", "_repr_pretty_", "_text", "_html",
-                  "timeline", "save_snapshot"}
+                  "timeline", "figure", "save_snapshot"}
 
 
 def modules() -> dict[str, Path]:

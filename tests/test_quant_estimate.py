@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import vram_magic
-from vram_magic.estimator.quantize import FORMATS
+from vram_magic.estimator.tracing.quantize import FORMATS
 
 OUT, IN = 4096, 1024  # Linear(1024, 4096)
 W = OUT * IN

@@ -29,6 +29,7 @@ __all__ = [
     "DeviceStats",
     "OomInfo",
     "estimate",
+    "plan",
     "format_bytes",
     "gather",
     "load_ipython_extension",
@@ -74,6 +75,8 @@ def estimate(
     budget: int | str | None = None,
     cuda: CudaModel | None = None,
     alloc_conf: str | None = None,
+    batch: int | None = None,
+    name: str | None = None,
     what_if: bool = False,
     max_batch: bool = False,
     max_seq: bool = False,
@@ -110,19 +113,46 @@ def estimate(
     ``"max_split_size_mb:512"``, ``"roundup_power2_divisions:4"``; default: that variable's value here), modelled
     in the block sizes and reserved memory and named in the notes. ``what_if`` adds the strategy table;
     ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1
-    of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial.
+    of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial. ``batch=B``
+    resizes the inputs' dimension 0 to ``B`` first (``--batch`` on the command line); ``name``: what the report
+    calls the model (default: its class, or the builder's name).
 
     ``generate=N``: the peak of ``model.generate(inputs, max_new_tokens=N, min_new_tokens=N)`` instead of a step
     (``inputs``: token ids, or a dict with ``input_ids`` and ``attention_mask``), with ``cache_implementation``
     (a name the installed transformers knows: ``"static"``, ``"offloaded"``, ...) and ``num_beams``; the KV
-    cache is the ``kv_cache`` category, ``estimate.generation`` holds its bytes per token. With it,
-    ``max_seq`` finds the longest prompt and ``max_batch`` the largest batch that fit with N new tokens.
+    cache is the ``kv_cache`` category, ``estimate.generation`` holds its bytes per token. With it, ``max_seq``
+    finds the longest prompt (``estimate.max_prompt``) and ``max_batch`` the largest batch that fit with N new
+    tokens.
     A decoder without transformers whose forward takes and returns a cache (``past_key_values``) works too.
     """
     # the estimator (and torch) are imported on the first call, not with the package; its estimate() has this
     # signature and docstring (tests/test_estimate.py holds the two together)
     options = dict(locals())
     from .estimator import estimate as run
+
+    return run(**options)
+
+
+def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batch: int | None = None,
+         device: str = "cuda", allow: Any = (), interconnect: Any = None, top: int | None = 10,
+         optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
+         budget: Any = None, name: str | None = None, progress: Callable[[str], None] | None = None) -> Any:
+    """The fastest ways to make a training step of ``model`` on ``inputs`` fit ``gpus`` GPUs like ``gpu``, ranked by
+    predicted step time (a :class:`~vram_magic.estimator.plans.Plan`).
+
+    It searches micro-batch × accumulation at the same ``global_batch`` (default: the inputs' batch, split over the
+    GPUs), activation checkpointing (none, every block, every second block), ZeRO-1/2/3 or FSDP over the GPUs and the
+    optimizer's state on the host, and mixed precision (marked as changing the numerics); ``allow`` adds ``"lora"``
+    (and with ``"quantize"`` QLoRA), ``"optimizer"`` (SGD with momentum, Adafactor) and ``"batch"`` (half the global
+    batch). ``interconnect``: how the GPUs talk (``"nvlink"``, ``"pcie"``, ``"infiniband-400g"``, ``"ethernet-100g"``,
+    or bytes/s per GPU; default: the GPU's own link within a host, needed beyond 8 GPUs). ``top``: rows shown.
+    ``device="cpu"`` plans a CPU run, timed with this machine's measured profile. Each row's ``options`` are
+    :func:`estimate`'s keyword arguments that give its memory; ``plan.calibrate(report)`` scales every time by a
+    measured step.
+    """
+    # the planner (and torch) are imported on the first call; its plan() has this signature and docstring
+    options = dict(locals())
+    from .estimator import plan as run
 
     return run(**options)
 

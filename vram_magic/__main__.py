@@ -1,4 +1,5 @@
-"""Command line: ``python -m vram_magic demo``, ``python -m vram_magic estimate MODULE:BUILDER …`` and
+"""Command line: ``python -m vram_magic demo``, ``python -m vram_magic estimate MODULE:BUILDER …``,
+``python -m vram_magic plan MODULE:BUILDER …`` and
 ``python -m vram_magic ranks …`` (a distributed job's memory per rank)."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ import sys
 
 USAGE = """usage: python -m vram_magic demo
        python -m vram_magic estimate package.module:build_model [options]   (see: estimate --help)
+       python -m vram_magic plan package.module:build_model --gpu L4 [options]   (see: plan --help)
        python -m vram_magic ranks run [-o DIR] -- torchrun … script.py      (each rank's memory)
        python -m vram_magic ranks DIR                                       (see: ranks --help)"""
 
@@ -26,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from .estimator.cli import main as estimate_main
 
         return estimate_main(rest)
+    if cmd == "plan":
+        from .estimator.plan_cli import main as plan_main
+
+        return plan_main(rest)
     if cmd == "ranks":
         from .ranks.cli import main as ranks_main
 

@@ -1,6 +1,10 @@
-"""Predict a training or inference step's memory without a GPU: the user's model runs on fake tensors
-(shapes, no memory) under the same live-storage tracker as ``%%vram``, and what a CUDA device adds is
+"""Predict a training or inference step's memory, or a ``generate()`` call's, without a GPU: the user's model runs on
+fake tensors (shapes, no memory) under the same live-storage tracker as ``%%vram``, and what a CUDA device adds is
 modelled on top. See :func:`estimate`.
+
+The estimator's house: ``tracing/`` runs a model on fake tensors; a workload (``step/``, ``generate/``) traces once per
+configuration that changes the trace and ``replay.py`` turns a trace into one rank's peak for a target (``target/``)
+and a layout (``layouts/``); ``explore/`` holds the what-if table and the searches; ``render/`` the reports.
 """
 
 from __future__ import annotations
@@ -9,12 +13,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from .core import StepRerun, Target, make_target, search_max
-from .cuda_model import CudaModel, with_allocator
-from .gpus import GPU, GPUS, find_gpu
-from .options import make_options
-from .result import Estimate, Strategy
-from .run import EstimateError, Request
+from .options import check_training_options, make_options
+from .result import Estimate, GenerateEstimate, StepEstimate, Strategy
+from .target import Target, make_target
+from .target.cuda import CudaModel, with_allocator
+from .target.gpus import GPU, GPUS, find_gpu
+from .tracing.errors import EstimateError
+from .tracing.request import Request
 
 
 def estimate(
@@ -41,6 +46,8 @@ def estimate(
     budget: int | str | None = None,
     cuda: CudaModel | None = None,
     alloc_conf: str | None = None,
+    batch: int | None = None,
+    name: str | None = None,
     what_if: bool = False,
     max_batch: bool = False,
     max_seq: bool = False,
@@ -77,85 +84,113 @@ def estimate(
     ``"max_split_size_mb:512"``, ``"roundup_power2_divisions:4"``; default: that variable's value here), modelled
     in the block sizes and reserved memory and named in the notes. ``what_if`` adds the strategy table;
     ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1
-    of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial.
+    of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial. ``batch=B``
+    resizes the inputs' dimension 0 to ``B`` first (``--batch`` on the command line); ``name``: what the report
+    calls the model (default: its class, or the builder's name).
 
     ``generate=N``: the peak of ``model.generate(inputs, max_new_tokens=N, min_new_tokens=N)`` instead of a step
     (``inputs``: token ids, or a dict with ``input_ids`` and ``attention_mask``), with ``cache_implementation``
     (a name the installed transformers knows: ``"static"``, ``"offloaded"``, ...) and ``num_beams``; the KV
-    cache is the ``kv_cache`` category, ``estimate.generation`` holds its bytes per token. With it,
-    ``max_seq`` finds the longest prompt and ``max_batch`` the largest batch that fit with N new tokens.
+    cache is the ``kv_cache`` category, ``estimate.generation`` holds its bytes per token. With it, ``max_seq``
+    finds the longest prompt (``estimate.max_prompt``) and ``max_batch`` the largest batch that fit with N new
+    tokens.
     A decoder without transformers whose forward takes and returns a cache (``past_key_values``) works too.
     """
-    # --- generate=: text generation (generate_estimate.py) ---------------------------------------------------
     if generate is not None or cache_implementation is not None or num_beams != 1:
-        from .generate_estimate import check_training_options, estimate_generate
-
         if generate is None:
             raise ValueError("cache_implementation and num_beams apply to generate=N (the number of new tokens)")
         check_training_options(dict(checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp,
                                     world=world, offload=offload, lora=lora, master_weights=master_weights,
                                     loss_fn=loss_fn))
-        gen_opts = make_options(inference=True, dtype=dtype, amp=amp, device=device, quantize=quantize)
-        target = make_target(gpu, budget, with_allocator(cuda, alloc_conf))
-        est = estimate_generate(model, inputs, gen_opts, target, new_tokens=generate,
-                                cache_implementation=cache_implementation, num_beams=num_beams, what_if=what_if,
-                                max_seq=max_seq, max_batch=max_batch, progress=progress)
-        settings = target.cuda.allocator
-        if device == "cuda" and settings.expandable_segments:  # the decoding loop's replay keeps the default rules
-            est = replace(est, notes=(*est.notes, settings.note("not modelled for generate()'s decoding loop: its "
-                                                                "replay used the default rules, not those")))
-        return est
-    # --- a training or inference step ------------------------------------------------------------------------
-    opts = make_options(optimizer=optimizer, inference=inference, dtype=dtype, amp=amp, master_weights=master_weights,
-                        checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp, world=world,
-                        offload=offload, device=device, steps=steps, quantize=quantize, lora=lora)
+        from .generate.trace import make_spec
+
+        spec = make_spec(generate, cache_implementation, num_beams)
+        opts = make_options(inference=True, dtype=dtype, amp=amp, device=device, quantize=quantize).with_(
+            generate=spec.new_tokens, cache_implementation=spec.cache_implementation, num_beams=spec.num_beams)
+    else:
+        opts = make_options(optimizer=optimizer, inference=inference, dtype=dtype, amp=amp,
+                            master_weights=master_weights, checkpointing=checkpointing, accumulate=accumulate,
+                            zero=zero, fsdp=fsdp, world=world, offload=offload, device=device, steps=steps,
+                            quantize=quantize, lora=lora)
+    if batch is not None:
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be a whole number ≥ 1 (the inputs' new dimension 0), not {batch!r}")
+        opts = opts.with_(batch=batch)
     target = make_target(gpu, budget, with_allocator(cuda, alloc_conf))
     if (max_batch or max_seq) and target.capacity is None:
         raise ValueError("max_batch/max_seq need a capacity: give gpu='A100-80GB' (or another known GPU) or "
                          "budget='24GiB'")
-    from .fake import check_inputs
+    from .tracing.fake import check_inputs
 
     check_inputs(inputs)
-    est = StepRerun(Request(model, inputs, loss_fn), target).evaluate(opts)
-    return follow_ups(est, what_if=what_if, max_batch=max_batch, max_seq=max_seq, progress=progress)
-
-
-def follow_ups(est: Estimate, *, what_if: bool = False, max_batch: bool = False, max_seq: bool = False,
-             progress: Callable[[str], None] | None = None) -> Estimate:
-    """A step's estimate with the follow-ups asked for: the largest batch, the longest sequence, the what-if
-    table (each made by re-running the estimate with other options)."""
-    if max_batch:
-        est = replace(est, max_batch=find_max_batch(est, progress=progress))
-    if max_seq:
-        est = replace(est, max_seq=find_max_batch(est, dim=1, progress=progress))
-    if what_if:
-        est = replace(est, strategies=tuple(est.rerunnable().what_if(est)))
+    est = workload_for(model, inputs, loss_fn, opts, target, name).evaluate(opts)
+    est = follow_ups(est, what_if=what_if, max_batch=max_batch, max_seq=max_seq, progress=progress)
+    settings = target.cuda.allocator
+    if opts.generate is not None and opts.device == "cuda" and settings.expandable_segments:
+        # the decoding loop's replay keeps the default rules
+        est = replace(est, notes=(*est.notes, settings.note("not modelled for generate()'s decoding loop: its "
+                                                            "replay used the default rules, not those")))
     return est
 
 
+def workload_for(model: Any, inputs: Any, loss_fn: Any, opts: Any, target: Target, name: str | None = None) -> Any:
+    """The workload that estimates ``model`` on ``inputs`` with options like ``opts``: ``generate()`` or a step."""
+    if opts.generate is not None:
+        from .generate.workload import GenerateWorkload
+        from .tracing.frameworks import without_init
+
+        return GenerateWorkload(Request(without_init(model), inputs, name=name), target)
+    from .step.workload import StepWorkload
+
+    return StepWorkload(Request(model, inputs, loss_fn, name=name), target)
+
+
+def follow_ups(est: Estimate, *, what_if: bool = False, max_batch: bool = False, max_seq: bool = False,
+               progress: Callable[[str], None] | None = None) -> Estimate:
+    """An estimate with the follow-ups asked for: the largest batch, the longest sequence (a step's) or prompt
+    (``generate()``'s), the what-if table — each made by the estimate's workload with other options."""
+    if not (what_if or max_batch or max_seq):
+        return est
+    workload = est.rerunnable()
+    asked = {"batch": max_batch, "seq": max_seq}
+    for key in workload.SEARCH_ORDER:
+        if asked[key]:
+            field = "max_batch" if key == "batch" else workload.SEQ_FIELD
+            est = replace(est, **{field: workload.largest(est, key, progress)})
+    if what_if:
+        est = replace(est, strategies=tuple(workload.what_if(est)))
+    return est
+
+
+def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batch: int | None = None,
+         device: str = "cuda", allow: Any = (), interconnect: Any = None, top: int | None = 10,
+         optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
+         budget: Any = None, name: str | None = None, progress: Callable[[str], None] | None = None) -> Any:
+    """The fastest ways to make a training step of ``model`` on ``inputs`` fit ``gpus`` GPUs like ``gpu``, ranked by
+    predicted step time (a :class:`~vram_magic.estimator.plans.Plan`).
+
+    It searches micro-batch × accumulation at the same ``global_batch`` (default: the inputs' batch, split over the
+    GPUs), activation checkpointing (none, every block, every second block), ZeRO-1/2/3 or FSDP over the GPUs and the
+    optimizer's state on the host, and mixed precision (marked as changing the numerics); ``allow`` adds ``"lora"``
+    (and with ``"quantize"`` QLoRA), ``"optimizer"`` (SGD with momentum, Adafactor) and ``"batch"`` (half the global
+    batch). ``interconnect``: how the GPUs talk (``"nvlink"``, ``"pcie"``, ``"infiniband-400g"``, ``"ethernet-100g"``,
+    or bytes/s per GPU; default: the GPU's own link within a host, needed beyond 8 GPUs). ``top``: rows shown.
+    ``device="cpu"`` plans a CPU run, timed with this machine's measured profile. Each row's ``options`` are
+    :func:`estimate`'s keyword arguments that give its memory; ``plan.calibrate(report)`` scales every time by a
+    measured step.
+    """
+    from .explore.plan import plan as run
+
+    return run(model, inputs, gpu=gpu, gpus=gpus, global_batch=global_batch, device=device, allow=allow,
+               interconnect=interconnect, top=top, optimizer=optimizer, loss_fn=loss_fn, dtype=dtype, budget=budget,
+               name=name, progress=progress)
+
+
 def find_max_batch(est: Estimate, *, dim: int = 0, progress: Callable[[str], None] | None = None) -> int:
-    """The largest batch (``dim=0``) or sequence length (``dim=1``) whose step fits the estimate's
-    capacity, by doubling and bisection on fake runs."""
-    rerun = est.rerunnable()
-    if est.capacity is None:
-        raise ValueError("a capacity is needed: estimate with gpu='…' or budget='…'")
-    start = est.batch if dim == 0 else est.seq
-    if start is None:
-        raise ValueError(f"the inputs have no dimension {dim} to grow")
-    key = "batch" if dim == 0 else "seq"
-    opts = est.options
-    assert opts is not None
-
-    def fits(n: int) -> bool:
-        try:
-            e = rerun.evaluate(opts.with_(**{key: n}))
-        except EstimateError:
-            return False
-        return bool(e.fits)
-
-    best, _ = search_max(fits, start, progress=progress)
-    return best
+    """The largest batch (``dim=0``) or sequence length (``dim=1``; a prompt for ``generate()``) whose estimate fits
+    its capacity."""
+    return est.rerunnable().largest(est, "batch" if dim == 0 else "seq", progress)
 
 
-__all__ = ["GPU", "GPUS", "CudaModel", "Estimate", "EstimateError", "Strategy", "Target", "estimate",
-           "find_max_batch", "find_gpu", "make_target", "search_max"]
+__all__ = ["GPU", "GPUS", "CudaModel", "Estimate", "EstimateError", "GenerateEstimate", "StepEstimate", "Strategy",
+           "Target", "estimate", "find_gpu", "find_max_batch", "follow_ups", "make_target", "plan"]

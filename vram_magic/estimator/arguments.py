@@ -190,6 +190,8 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         quantize=args.quantize, lora=args.lora,
         device=args.device, what_if=args.what_if, max_batch=args.max_batch, max_seq=args.max_seq,
     )
+    if args.batch is not None and args.input:  # --input resized to --batch (with --shape it is the shape's batch)
+        kwargs["batch"] = args.batch
     if args.loss:
         kwargs["loss_fn"] = evaluate(args.loss, ns, "--loss")
     if getattr(args, "generate", None) is not None or getattr(args, "cache", None) or getattr(args, "beams", 1) != 1:
@@ -199,15 +201,40 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     return model, inputs, kwargs
 
 
-def estimate_with_batch(model: Any, inputs: Any, batch: int, kwargs: dict[str, Any]) -> Any:
-    """--input with --batch: the inputs' batch dimension resized before the run."""
-    from . import estimate, follow_ups
+# the options of %vram_plan and python -m vram_magic plan: the model, its inputs and loss as for an estimate, then
+# what the plan is for
+_SHARED = ("model", "--input", "--shape", "--batch", "--vocab", "--loss", "--optimizer", "--dtype", "--device",
+           "--budget")
+PLAN_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [o for o in OPTIONS if o[0][0] in _SHARED] + [
+    (("--gpu",), {"help": "the GPU to train on, from the catalogue (A100-80GB, L4, T4, ...)"}),
+    (("--gpus",), {"type": int, "default": 1, "metavar": "N", "help": "how many of them (data parallel)"}),
+    (("--global-batch",), {"type": int, "metavar": "B", "help": "samples per optimizer step across the GPUs "
+                           "(default: the inputs' batch)"}),
+    (("--allow",), {"metavar": "WHAT", "help": "also try lora, quantize (QLoRA, with lora), optimizer, batch "
+                    "(comma-separated): they change what or how the model trains"}),
+    (("--interconnect",), {"metavar": "LINK", "help": "how the GPUs talk: nvlink, pcie, infiniband-400g, "
+                           "infiniband-200g, ethernet-100g, ethernet-25g (default: the GPU's own link in one host)"}),
+    (("--top",), {"type": int, "default": 10, "metavar": "N", "help": "rows to show"}),
+]
 
-    asked = {k: bool(kwargs.get(k)) for k in ("what_if", "max_batch", "max_seq")}
-    first = estimate(model, inputs, **{**kwargs, "what_if": False, "max_batch": False, "max_seq": False})
-    est = first.rerunnable().evaluate(first.options.with_(batch=batch))
-    if est.generation is not None:  # generate= (generate_estimate.py)
-        from .generate_estimate import generate_follow_ups
 
-        return generate_follow_ups(est, **asked, progress=kwargs.get("progress"))
-    return follow_ups(est, **asked, progress=kwargs.get("progress"))
+def build_plan(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, inputs, keyword arguments of vram_magic.plan)`` from parsed plan options; ``ValueError`` for bad
+    input."""
+    for option in ("batch", "vocab", "gpus", "global_batch", "top"):
+        value = getattr(args, option, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{option.replace('_', '-')} must be a whole number of at least 1, not {value}")
+    model = evaluate(args.model, ns, "model")
+    inputs = inputs_from(args, ns)
+    optimizer: Any = args.optimizer
+    if optimizer.lower() not in OPTIMIZERS:
+        optimizer = evaluate(optimizer, ns, "--optimizer")
+    if args.batch is not None and args.input:
+        raise ValueError("--batch resizes the inputs of an estimate; a plan takes --global-batch")
+    kwargs: dict[str, Any] = dict(gpu=args.gpu, gpus=args.gpus, global_batch=args.global_batch, device=args.device,
+                                  allow=args.allow or (), interconnect=args.interconnect, top=args.top,
+                                  optimizer=optimizer, dtype=args.dtype, budget=args.budget)
+    if args.loss:
+        kwargs["loss_fn"] = evaluate(args.loss, ns, "--loss")
+    return model, inputs, kwargs

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from .arguments import OPTIONS, build, estimate_with_batch, parse_error_hint
+from .arguments import OPTIONS, build, parse_error_hint
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,12 +39,8 @@ def main(argv: list[str]) -> int:
     search = "max-seq" if args.max_seq and not args.max_batch else "max-batch"  # what the progress lines search
     try:
         model, inputs, kwargs = build(args, {"torch": torch})
-        if args.batch is not None and args.input:
-            progress = None if args.json else (lambda msg: print(f"{search}: trying {msg}", file=sys.stderr))
-            est = estimate_with_batch(model, inputs, args.batch, {**kwargs, "progress": progress})
-        else:
-            progress = None if args.json else (lambda msg: print(f"{search}: trying {msg}", file=sys.stderr))
-            est = estimate(model, inputs, progress=progress, **kwargs)
+        progress = None if args.json else (lambda msg: print(f"{search}: trying {msg}", file=sys.stderr))
+        est = estimate(model, inputs, progress=progress, **kwargs)
     except (ValueError, TypeError, EstimateError) as err:
         print(f"vram_magic estimate: {err}", file=sys.stderr)
         return 2
@@ -56,21 +52,22 @@ def main(argv: list[str]) -> int:
 
 
 def _as_json(est: Any) -> dict[str, Any]:
-    return {
+    """The estimate's numbers as JSON: every estimate's, then its workload's own (a step's model states, loss and
+    longest sequence; a generate() call's facts and longest prompt)."""
+    import dataclasses
+
+    from .result import GenerateEstimate
+
+    out: dict[str, Any] = {
         "peak": est.peak.as_dict(), "peak_total": est.peak.total, "needed": est.needed,
         "after_forward": est.after_forward.as_dict(), "capacity": est.capacity, "fits": est.fits,
-        "model_states": est.model_states, "loss": est.loss, "notes": list(est.notes),
-        "max_batch": est.max_batch, "max_seq": est.max_seq,
+        "notes": list(est.notes), "max_batch": est.max_batch,
         "flops": dict(est.flops), "partial": est.partial, "problem": est.problem,
         "what_if": [{"strategy": s.name, "peak": s.peak, "needed": s.needed, "compute": s.compute}
                     for s in est.strategies],
-        "generation": _generation(est),
     }
-
-
-def _generation(est: Any) -> dict[str, Any] | None:
-    """generate= estimates: the cache per token, the phases (generate_facts.Generation) as plain numbers."""
-    import dataclasses
-
-    g = getattr(est, "generation", None)
-    return dataclasses.asdict(g) if g is not None else None
+    if isinstance(est, GenerateEstimate):
+        out.update(generation=dataclasses.asdict(est.generation), max_prompt=est.max_prompt)
+    else:
+        out.update(model_states=est.model_states, loss=est.loss, max_seq=est.max_seq, generation=None)
+    return out

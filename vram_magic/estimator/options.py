@@ -58,7 +58,7 @@ class Options:
     dtype: torch.dtype | None = None
     amp: torch.dtype | None = None
     master_weights: bool = False  # half-precision weights and gradients, an fp32 master copy in the optimizer
-    checkpointing: bool = False
+    checkpointing: bool | int = False  # True (every block) or k (every k-th block)
     accumulate: int = 1
     zero: int | None = None  # ZeRO stage 1, 2 or 3 (3 is what FSDP's full sharding does)
     world: int = 1
@@ -69,9 +69,21 @@ class Options:
     seq: int | None = None  # resize dimension 1 of the inputs (sequence length)
     quantize: str | None = None  # weight-only quantization of the linear layers (quantize.FORMATS)
     lora: int | None = None  # rank of LoRA adapters on the linear layers, the rest frozen
+    # generate(): the number of new tokens (None: a training or inference step) and how they are produced
+    generate: int | None = None
+    cache_implementation: str | None = None  # as transformers names it (None: the model's default)
+    num_beams: int = 1
+    do_sample: bool = False
+    cache_bits: int = 4  # a quantized cache's bits (2 or 4)
+    last_logits_only: bool = False  # the output head computes the last position only (logits_to_keep=1)
 
     def with_(self, **changes: Any) -> Options:
         return replace(self, **changes)
+
+    def trace_key(self) -> Options:
+        """These options with those applied after the trace at their defaults: two configurations with the same key
+        run the same fake step (:data:`AFTER_TRACE`)."""
+        return replace(self, **AFTER_TRACE)
 
     def describe(self) -> str:
         parts = [f"{'inference' if self.inference else 'training'}"]
@@ -86,7 +98,8 @@ class Options:
         if self.amp is not None:
             parts.append(f"AMP {short_dtype(self.amp)}")
         if self.checkpointing:
-            parts.append("checkpointing")
+            k = int(self.checkpointing)
+            parts.append("checkpointing" + (f" every {k} blocks" if k > 1 else ""))
         if self.accumulate > 1:
             parts.append(f"accumulate {self.accumulate}")
         if self.zero:
@@ -94,6 +107,24 @@ class Options:
         if self.offload:
             parts.append("optimizer offload")
         return ", ".join(parts)
+
+
+#: options a trace does not depend on, with their defaults: each rank's share (ZeRO's stage over ``world`` ranks) and
+#: the optimizer's state moved to the host are applied to the traced storages afterwards (``layouts/``)
+AFTER_TRACE: dict[str, Any] = {"zero": None, "world": 1, "offload": False}
+
+
+#: training options that mean nothing for generate() (their defaults)
+_TRAINING = {"checkpointing": False, "accumulate": 1, "zero": None, "fsdp": False, "world": 1, "offload": False,
+             "lora": None, "master_weights": None, "loss_fn": None}
+
+
+def check_training_options(given: dict[str, Any]) -> None:
+    """``ValueError`` for training options given with ``generate=``."""
+    wrong = [k for k, default in _TRAINING.items() if k in given and given[k] != default]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)} appl{'y' if len(wrong) > 1 else 'ies'} to training; generate= estimates "
+                         "inference (drop them, or estimate a training step without generate=)")
 
 
 def optimizer_name(opt: Any) -> str:
@@ -171,10 +202,23 @@ def make_options(
     return Options(
         quantize=quant, lora=rank,
         optimizer=optimizer, inference=bool(inference), dtype=dt, amp=am, master_weights=master,
-        checkpointing=bool(checkpointing),
+        checkpointing=parse_checkpointing(checkpointing),
         accumulate=accumulate, zero=zero, world=world, offload=bool(offload),
         device="cuda" if str(device).startswith("cuda") else "cpu", steps=steps,
     )
+
+
+def parse_checkpointing(value: Any) -> bool | int:
+    """``False``, ``True`` (every block) or ``k ≥ 2`` (every k-th block); ``ValueError`` otherwise."""
+    if value is None or value is False or value == 0:
+        return False
+    if value is True or value == 1:
+        return True
+    if isinstance(value, str) and value.strip().isdigit():
+        return parse_checkpointing(int(value))
+    if isinstance(value, int) and value >= 2:
+        return value
+    raise ValueError(f"checkpointing must be True (every block), False, or k ≥ 2 (every k-th block), not {value!r}")
 
 
 def parse_master_weights(value: Any) -> bool:

@@ -1,9 +1,11 @@
-"""The result of an estimate: frozen, plain numbers in bytes, rendering itself (text and HTML).
+"""The results of an estimate: frozen, plain numbers in bytes, rendering themselves through their renderers.
 
-What it takes to make an estimate again with other options (the model's source, the inputs, the loss, the
-target) is not part of the result: a re-run handle (:class:`Rerun`, made by the runner) is kept beside the
-numbers for the what-if table and the batch and sequence searches, and is left behind when an estimate is
-pickled or copied."""
+An :class:`Estimate` holds what every workload's estimate has (the peak by category, what the device needs, whether
+it fits, the notes); a :class:`StepEstimate` (a training or inference step) and a :class:`GenerateEstimate` (a
+``generate()`` call) add their own facts. What it takes to make an estimate again with other options (the model's
+source, the inputs, the loss, the target) is not part of the result: the workload that made it (:class:`Workload`)
+is kept beside the numbers for the what-if table and the searches, and is left behind when an estimate is pickled
+or copied."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..breakdown import CATEGORIES, Breakdown, shown_categories
-from ..units import format_bytes
+from ..breakdown import Breakdown, shown_categories
+from ..rendered import Rendered
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -34,25 +36,57 @@ class Strategy:
     note: str = ""
 
 
-class Rerun(Protocol):
-    """What makes an estimate again with other options (``core.StepRerun``, ``generate_estimate.GenerateRerun``)."""
+@dataclass(frozen=True)
+class Candidate:
+    """A change worth trying from an estimate's options: its name in the what-if table, the options it changes,
+    the sequential steps (or ``generate()`` calls) it takes per step of the baseline, and what it trades."""
+
+    name: str
+    changes: Mapping[str, Any]
+    steps: float = 1.0
+    note: str = ""
+
+
+class Workload(Protocol):
+    """What makes estimates of one model, inputs and target with any options: a step (``step/workload.py``) or a
+    ``generate()`` call (``generate/workload.py``). Each traces the model once per configuration that changes the
+    trace and replays that trace for every other option."""
 
     def evaluate(self, opts: Options) -> Estimate:
-        """The estimate with ``opts`` instead (the same model, inputs and target), its handle beside it."""
+        """The estimate with ``opts`` (the same model, inputs and target), the workload beside it."""
+        ...
+
+    def candidates(self, est: Estimate) -> list[Candidate]:
+        """The changes worth trying from ``est``, one what-if row each."""
+        ...
+
+    def compute_per_sample(self, est: Estimate) -> float:
+        """FLOPs per sample (per sequence for generation) of ``est``: the what-if table's price of a change."""
+        ...
+
+    def remark(self, est: Estimate) -> str:
+        """What a what-if row's note says of its own estimate beyond the change's words (``""``: nothing)."""
         ...
 
     def what_if(self, est: Estimate) -> list[Strategy]:
         """The what-if table of ``est`` (its baseline row first)."""
         ...
 
+    def largest(self, est: Estimate, key: str, progress: Any = None) -> int:
+        """The largest batch (``key="batch"``) or sequence (``"seq"``) whose estimate fits ``est``'s capacity."""
+        ...
+
+    SEQ_FIELD: str  # where the longest sequence goes in the estimate (``max_seq``, or ``max_prompt``)
+    SEARCH_ORDER: tuple[str, ...]  # the order the searches run in
+
 
 @dataclass(frozen=True)
-class Estimate:
-    """What a step needs. ``peak`` splits the steady-state peak into the same categories as ``%%vram``.
+class Estimate(Rendered):
+    """What a workload needs. ``peak`` splits its peak into the same categories as ``%%vram``.
 
     ``needed`` is what the device must have: on CUDA the allocator's reserved memory at the peak plus the
     CUDA context; on the CPU the peak itself. ``fits`` compares it with ``capacity`` (a GPU's memory or a
-    budget), ``None`` when neither was given.
+    budget), ``None`` when neither was given. ``flops`` counts the workload's FLOPs by phase.
     """
 
     model: str
@@ -64,7 +98,6 @@ class Estimate:
     flops: Mapping[str, int] = field(default_factory=dict)
     batch: int | None = None
     seq: int | None = None
-    micro_batch: int | None = None
     parameters: int = 0
     gpu: str | None = None
     capacity: int | None = None
@@ -77,15 +110,10 @@ class Estimate:
     modelled: tuple[tuple[str, int], ...] = ()
     notes: tuple[str, ...] = ()
     wall_time: float = 0.0
-    loss: str = ""  # which loss the training step used (the model's own, the given loss_fn, or a stand-in)
-    model_states: int = 0  # parameters + gradients + optimizer state per rank over the step (ZeRO's model states)
     strategies: tuple[Strategy, ...] = ()
     max_batch: int | None = None
-    max_seq: int | None = None
-    # generate= estimates: the cache per token, the two phases, how the loop was modelled (generate_facts.Generation)
-    generation: Any = None
     options: Options | None = field(default=None, repr=False, compare=False)
-    rerun: Rerun | None = field(default=None, repr=False, compare=False)  # beside the numbers, not one of them
+    rerun: Workload | None = field(default=None, repr=False, compare=False)  # beside the numbers, not one of them
 
     @property
     def total(self) -> int:
@@ -105,7 +133,7 @@ class Estimate:
         return self.peak.total - sum(n for _, n in self.modelled)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickled and copied as plain data: the re-run handle (the user's model, inputs and loss) stays behind."""
+        """Pickled and copied as plain data: the workload (the user's model, inputs and loss) stays behind."""
         return {**self.__dict__, "rerun": None}
 
     # --- follow-ups ----------------------------------------------------------------------------------
@@ -114,8 +142,8 @@ class Estimate:
         rows = self.strategies or tuple(self.rerunnable().what_if(self))
         return strategies_frame(rows)
 
-    def rerunnable(self) -> Rerun:
-        """The handle that makes this estimate again with other options (``ValueError`` if it has none)."""
+    def rerunnable(self) -> Workload:
+        """The workload that makes this estimate again with other options (``ValueError`` if it has none)."""
         if self.rerun is None or self.options is None:
             raise ValueError("this estimate cannot be re-run (it was not made by vram_magic.estimate, or it was "
                              "copied or unpickled: only its numbers travel)")
@@ -139,45 +167,44 @@ class Estimate:
                          "error %": (100.0 * err / got) if got else float("nan")})
         return pd.DataFrame(rows).set_index("category")
 
-    # --- rendering -----------------------------------------------------------------------------------
-    def __str__(self) -> str:
-        from .render import estimate_text
+
+@dataclass(frozen=True)
+class StepEstimate(Estimate):
+    """A training step's (or an inference step's) estimate: ``peak`` is the steady-state peak (the second step's)."""
+
+    micro_batch: int | None = None
+    loss: str = ""  # which loss the training step used (the model's own, the given loss_fn, or a stand-in)
+    model_states: int = 0  # parameters + gradients + optimizer state per rank over the step (ZeRO's model states)
+    max_seq: int | None = None  # the longest sequence (the inputs' dimension 1) that fits, when searched
+
+    def _text(self) -> str:
+        from .render.step import estimate_text
 
         return estimate_text(self)
 
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
+    def _html(self) -> str:
+        from .render.step import estimate_html
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        from .render import estimate_html
-
-        return {"text/plain": str(self), "text/html": estimate_html(self)}
-
-    def summary_lines(self) -> list[str]:
-        """What the step trained on and what it keeps for the whole step: the loss, the model states."""
-        lines = []
-        if self.loss:
-            lines.append(f"loss: {self.loss}")
-        if self.model_states and self.options is not None and not self.options.inference:
-            per_rank = " per rank" if self.options.zero else ""
-            lines.append(f"model states{per_rank} (parameters + gradients + optimizer state): "
-                         f"{format_bytes(self.model_states)}")
-        return lines
-
-    def verdict(self) -> str:
-        where = self.gpu or (format_bytes(self.capacity) if self.capacity else None)
-        if self.capacity is None or where is None:
-            return f"needs {format_bytes(self.needed)}" + (" on the device" if self.device == "cuda" else "")
-        room = self.capacity - self.needed
-        if room >= 0:
-            return (f"fits {where}: needs {format_bytes(self.needed)} of {format_bytes(self.capacity)}, "
-                    f"headroom {format_bytes(room)} ({100 * room / self.capacity:.0f} %)")
-        return (f"does NOT fit {where}: needs {format_bytes(self.needed)} of {format_bytes(self.capacity)}, "
-                f"{format_bytes(-room)} short")
+        return estimate_html(self)
 
 
-def breakdown_bytes(b: Breakdown) -> dict[str, int]:
-    return {c: b[c] for c in CATEGORIES}
+@dataclass(frozen=True)
+class GenerateEstimate(Estimate):
+    """A ``generate()`` call's estimate: the cache is the ``kv_cache`` category; ``generation`` holds the facts of the
+    loop (its bytes per token, the two phases, how it was modelled: ``generate/facts.py``)."""
+
+    generation: Any = None
+    max_prompt: int | None = None  # the longest prompt that fits with the new tokens, when searched
+
+    def _text(self) -> str:
+        from .render.generation import estimate_text
+
+        return estimate_text(self)
+
+    def _html(self) -> str:
+        from .render.generation import estimate_html
+
+        return estimate_html(self)
 
 
 def strategies_frame(rows: tuple[Strategy, ...] | list[Strategy]) -> pd.DataFrame:

@@ -125,3 +125,12 @@ __all__ = [
     "inductor_partition", "min_cut_partition", "modes_ignore_compile_internals", "pop_mode", "post_grad_passes",
     "push_mode",
 ]
+
+
+def function_modes() -> list[Any]:
+    r"""The ``TorchFunctionMode``\ s active now, outermost first (``torch.overrides._get_current_function_mode_stack``;
+    read on torch 2.13, and an empty list where a release lacks it)."""
+    import torch.overrides
+
+    stack = getattr(torch.overrides, "_get_current_function_mode_stack", None)
+    return list(stack()) if stack is not None else []

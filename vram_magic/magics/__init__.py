@@ -1,4 +1,4 @@
-"""The IPython shell: ``%%vram``, ``%vram …`` and ``%vram_estimate``; a thin layer over the Python API.
+"""The IPython shell: ``%%vram``, ``%vram …``, ``%vram_estimate`` and ``%vram_plan``; a thin layer over the Python API.
 
 One module per magic family — ``cell`` (``%%vram`` and auto mode, the body run by ``cellrun``), ``line``
 (``%vram …``), ``estimate`` (``%vram_estimate``), ``ranks`` (``%%vram --ranks``), ``watch`` (``%vram watch``) —
@@ -68,6 +68,8 @@ class VramMagics(Magics):
     @argument("--estimate", metavar="NAME", help="with --ranks: an estimate (%%vram_estimate … -o NAME) to show "
               "beside each rank's peak")
     @argument("--ranks-dir", metavar="DIR", help="with --ranks: keep the per-rank reports in DIR")
+    @argument("--plan", metavar="NAME[:ROW]", help="set the cell beside a plan's row (%%vram_plan … -o NAME): memory "
+              "by category and time, predicted and measured")
     @argument("rest", nargs="*", help="%%vram subcommand (line magic only)")
     @line_cell_magic
     def vram(self, line: str, cell: str | None = None) -> Any:
@@ -129,6 +131,15 @@ class VramMagics(Magics):
 
         return run_estimate(line, self.shell.user_ns, widget=wants_widget(self))
 
+    # --- %vram_plan ------------------------------------------------------------------------------
+    @line_magic
+    def vram_plan(self, line: str) -> Any:
+        """Rank the combinations of strategies that make a training step fit, by predicted step time. See
+        ``%vram_plan?``."""
+        from .plan import run_plan
+
+        return run_plan(line, self.shell.user_ns)
+
     def close(self) -> None:
         if self._awaiting in self.shell.input_transformers_post:
             self.shell.input_transformers_post.remove(self._awaiting)
@@ -164,7 +175,7 @@ def unload(ipython: Any) -> None:
         magics.figures.stop()
     magics.close()
     table = ipython.magics_manager.magics
-    for kind, names in (("line", ("vram", "vram_estimate")), ("cell", ("vram",))):
+    for kind, names in (("line", ("vram", "vram_estimate", "vram_plan")), ("cell", ("vram",))):
         for name in names:
             table[kind].pop(name, None)
     ipython.magics_manager.registry.pop("VramMagics", None)

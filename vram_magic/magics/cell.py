@@ -14,7 +14,8 @@ from .cellrun import CellRun
 from .checks import Host, check_name, size, warn
 from .display import show_report, start_live
 
-CELL_OPTIONS = ("-o NAME, -q, --device DEV, --budget SIZE, --timeline, --no-trace, --backend auto|tracker|allocator")
+CELL_OPTIONS = ("-o NAME, -q, --device DEV, --budget SIZE, --timeline, --no-trace, --backend auto|tracker|allocator, "
+                "--plan NAME[:ROW]")
 
 
 def cell_number(shell: Any) -> int:
@@ -41,6 +42,7 @@ def prepare(host: Host, cell: str, args: Any) -> CellRun | None:
         raise UsageError("%%vram cannot run inside another measured cell (nested %%vram, or %vram auto on): "
                          "measure the outer cell only")
     check_name(args.output, "-o")
+    args.planned = planned(host, args.plan) if getattr(args, "plan", None) else None
     run = cell_run(host.shell, cell)
     try:
         session.record_sites = host.record_sites and not args.no_trace
@@ -56,6 +58,19 @@ def prepare(host: Host, cell: str, args: Any) -> CellRun | None:
     finally:
         session.record_sites = host.record_sites
     return run
+
+
+def planned(host: Host, text: str) -> Any:
+    """``(plan, row)`` that ``--plan NAME[:ROW]`` names, checked before the cell runs."""
+    from ..estimator.plans import plan_row
+
+    name = text.partition(":")[0]
+    if name not in host.shell.user_ns:
+        raise UsageError(f"--plan {text}: no variable {name!r} (make a plan with %vram_plan … -o {name})")
+    try:
+        return plan_row(host.shell.user_ns[name], text)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 async def measured(host: Host, run: CellRun, args: Any) -> None:
@@ -83,6 +98,12 @@ async def measured(host: Host, run: CellRun, args: Any) -> None:
         if not args.quiet and report is not None:
             try:
                 show_report(host, report, timeline=args.timeline, live=live)
+                if getattr(args, "planned", None) is not None:
+                    from IPython.display import display
+
+                    from ..estimator.plans import check
+
+                    display(check(*args.planned, report))
             except Exception as err:  # a display that fails must not fail the cell
                 warn(f"vram_magic could not display this cell's report ({type(err).__name__}: {err}); "
                      f"it is stored{' in ' + args.output if args.output else ''} and in %vram history", 4)

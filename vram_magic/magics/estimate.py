@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..estimator.arguments import OPTIONS, QUOTING, build, estimate_with_batch, parse_error_hint
+from ..estimator.arguments import OPTIONS, QUOTING, build, parse_error_hint
 from .checks import check_name
 from .display import WIDGET_VIEW, with_view
 
@@ -66,20 +66,15 @@ def run_estimate(line: str, ns: dict[str, Any], *, widget: bool = False) -> Esti
     args = parse(line)
     check_name(args.output, "-o")
     model, inputs, kwargs = build_kwargs(args, ns)
-    if args.batch is not None and args.input:
-        kwargs["batch"] = args.batch
-    batch = kwargs.pop("batch", None)
+    if args.model.isidentifier():  # named as the user wrote it: module paths read "model.1", not "Sequential.1"
+        kwargs["name"] = args.model
     if not args.quiet and (args.max_batch or args.max_seq):
         search = "max-seq" if args.max_seq and not args.max_batch else "max-batch"
         kwargs["progress"] = lambda msg: print(f"{search}: trying {msg}", file=sys.stdout, flush=True)
     try:
-        est = estimate(model, inputs, **kwargs) if batch is None else estimate_with_batch(model, inputs, batch, kwargs)
+        est = estimate(model, inputs, **kwargs)
     except (ValueError, TypeError, EstimateError) as err:
         raise UsageError(str(err)) from None
-    if args.model.isidentifier():  # named as the user wrote it: module paths read "model.1", not "Sequential.1"
-        from dataclasses import replace
-
-        est = replace(est, model=args.model)
     if args.output:
         ns[args.output] = est
     if args.quiet:
@@ -87,10 +82,8 @@ def run_estimate(line: str, ns: dict[str, Any], *, widget: bool = False) -> Esti
     from IPython.display import display
 
     if widget:
-        from ..estimator.render import estimate_html
-
         try:
-            bundle = with_view(str(est), estimate_html(est), widget=True, max_width="56em",
+            bundle = with_view(str(est), est._repr_mimebundle_()["text/html"], widget=True, max_width="56em",
                                css_class="vram-estimate-widget")
         except Exception:
             bundle = {}

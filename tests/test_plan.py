@@ -1,0 +1,193 @@
+"""The planner: every row an exact estimate, ranked by predicted time; the time model's formulas on numbers worked out
+by hand; the network; bad input; %vram_plan, %%vram --plan, calibration and the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import run_ok
+from torch import nn
+
+import vram_magic
+from vram_magic.estimator.explore import cost
+from vram_magic.estimator.explore.rates import Rates
+from vram_magic.estimator.explore.timing import network_for
+from vram_magic.estimator.target.gpus import find_gpu
+from vram_magic.estimator.tracing.oplog import ATTENTION, MATMUL, POINTWISE, VIEW, OpLog
+
+GB = 1e9
+MiB = 1024**2
+
+
+def mlp(blocks: int = 4, width: int = 256) -> nn.Module:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                           for _ in range(blocks)])
+
+
+# --- the time model's formulas --------------------------------------------------------------------------------------
+def test_ops_are_timed_by_their_flops_bytes_and_the_devices_floor():
+    log = OpLog()
+    log.add(1, MATMUL, 1, False, 2e12, 1e9)  # 2 TFLOP at 100 TFLOP/s: 20 ms (its 1 GB at 1 TB/s: 1 ms)
+    log.add(1, POINTWISE, 0, False, 0, 4e9)  # 4 GB at 1 TB/s: 4 ms
+    log.add(2, ATTENTION, 1, True, 1e12, 0)  # recompute: 10 ms
+    log.add(1, VIEW, 0, False, 0, 0)  # nothing moved: the floor, 5 µs
+    log.add(3, POINTWISE, 0, False, 0, 1e9)  # the optimizer: 1 ms
+    rates = Rates("test", lambda dtype, flops: 100e12 if dtype == "bf16" else 10e12, 1e12, 0.0, 5e-6, "")
+    t = cost.time_ops(log, rates)
+    assert t.compute == pytest.approx(0.020) and t.recompute == pytest.approx(0.010)
+    assert t.memory == pytest.approx(0.004 + 5e-6) and t.optimizer == pytest.approx(0.001) and t.ops == 5
+    assert cost.time_ops(log, rates, start=4).optimizer == pytest.approx(0.001)  # the last step's rows only
+
+
+def test_ring_collectives_by_hand():
+    bw = 300 * GB  # an A100's NVLink per direction, at 80 %: 240 GB/s
+    grads = params = 1 * GB
+    # DDP: one all-reduce, 2 (N-1)/N of the gradients
+    assert cost.data_parallel(None, 8, params, grads, 4, bw) == pytest.approx(2 * 7 / 8 * 1e9 / 240e9)
+    # ZeRO-1: a reduce-scatter of the gradients, an all-gather of the parameters
+    assert cost.data_parallel(1, 8, params, grads, 4, bw) == pytest.approx(7 / 8 * 2e9 / 240e9)
+    # ZeRO-2: a reduce-scatter per micro-batch, one all-gather
+    assert cost.data_parallel(2, 8, params, grads, 4, bw) == pytest.approx(7 / 8 * 5e9 / 240e9)
+    # ZeRO-3 / FSDP: two all-gathers and a reduce-scatter per micro-batch
+    assert cost.data_parallel(3, 8, params, grads, 4, bw) == pytest.approx(7 / 8 * 4 * 3e9 / 240e9)
+    assert cost.data_parallel(3, 1, params, grads, 4, bw) == 0.0
+    assert cost.ring(100, 2, 1e12) == cost.COLLECTIVE_LATENCY  # a tiny message costs its latency
+
+
+def test_offload_and_the_pipeline_bubble_by_hand():
+    transfers, update = cost.offload(1 * GB, 2 * GB, 31.5 * GB, 8, 1e9)
+    assert transfers == pytest.approx(3e9 / (31.5e9 * 0.85))
+    assert update == pytest.approx(1e9 / (1.4e9 / 8))
+    assert cost.pipeline_bubble(4, 8) == pytest.approx(3 / 11)
+    assert cost.pipeline_bubble(1, 8) == 0.0
+
+
+def test_the_network_between_gpus():
+    a100, t4 = find_gpu("A100-80GB"), find_gpu("T4")
+    assert network_for(a100, 8).link == 300 * GB
+    assert network_for(t4, 2).link == pytest.approx(15.75 * GB)  # no NVLink: PCIe gen 3 through the host
+    with pytest.raises(ValueError, match="spans hosts"):
+        network_for(a100, 16)
+    assert network_for(a100, 16, "infiniband-400g").link == 50 * GB  # the hosts' links are the slowest
+    assert network_for(a100, 16, 25e9).link == 25e9
+    with pytest.raises(ValueError, match="no NVLink"):
+        network_for(t4, 2, "nvlink")
+    with pytest.raises(ValueError, match="unknown interconnect"):
+        network_for(a100, 8, "carrier-pigeon")
+
+
+# --- plans ---------------------------------------------------------------------------------------------------------
+def test_every_row_is_the_estimate_its_options_give_and_rows_are_fastest_first():
+    model, x = mlp(), torch.randn(512, 256)
+    plan = vram_magic.plan(model, x, device="cpu", budget="42MiB", top=4)
+    assert plan.rows and plan.best is plan.rows[0] and all(r.fits for r in plan.rows)
+    times = [r.step_time for r in plan.rows]
+    assert times == sorted(times)
+    for row in plan.rows:
+        est = vram_magic.estimate(model, x, **row.options)
+        assert est.needed == row.needed and est.peak.total == row.peak.total and est.needed <= 42 * MiB
+        assert row.micro_batch * row.accumulate == 512
+        assert row.step_time == pytest.approx(sum(row.time.values()))
+    # the whole batch in one step needs 46.06 MiB (two micro-batches 43.58: the first one's gradients stay), four
+    # micro-batches 38.33, checkpointing 38.57: every row splits it in four or more, or checkpoints
+    whole = vram_magic.estimate(model, x, device="cpu")
+    assert whole.needed > 42 * MiB
+    assert vram_magic.estimate(model, x, device="cpu", accumulate=2).needed > 42 * MiB
+    assert all(r.accumulate >= 4 or r.options.get("checkpointing") for r in plan.rows)
+    frame = plan.to_frame()
+    assert list(frame["needed"]) == [r.needed for r in plan.rows]
+    assert len(plan.scored) >= len(plan.rows) and sum(s.exact for s in plan.scored) >= len(plan.rows)
+
+
+def test_nothing_fits_says_so_and_shows_the_closest():
+    plan = vram_magic.plan(mlp(), torch.randn(8, 256), device="cpu", budget="1MiB", top=3)
+    assert plan.best is None and plan.rows and not any(r.fits for r in plan.rows)
+    assert any("nothing fits" in n for n in plan.notes)
+    needs = [r.needed for r in plan.rows]
+    assert min(needs) == min(s.needed for s in plan.scored if s.exact)
+    assert "nothing fits" in str(plan)
+
+
+def test_numerics_changing_rows_and_allowed_changes_are_marked():
+    plan = vram_magic.plan(mlp(), torch.randn(16, 256), gpu="A100-80GB", gpus=2, allow="optimizer,batch", top=40)
+    names = {r.name for r in plan.rows}
+    amp = [r for r in plan.rows if r.options.get("amp") == "bf16"]
+    assert amp and all("bf16 mixed precision" in r.numerics for r in amp)
+    assert any("SGD" in "".join(r.numerics) or "sgd" in r.name for r in plan.rows)
+    assert any("ZeRO" in n or "FSDP" in n for n in names) and any("DDP" in n for n in names)
+    for r in plan.rows:
+        assert r.options["world"] == 2 and r.options["gpu"] == "A100-80GB"
+        assert r.time["collectives"] > 0  # two GPUs talk every step
+
+
+def test_bad_input():
+    model, x = mlp(2), torch.randn(12, 256)
+    with pytest.raises(ValueError, match="does not split over 8 GPUs"):
+        vram_magic.plan(model, x, gpu="A100-80GB", gpus=8)
+    with pytest.raises(ValueError, match="needs the GPU"):
+        vram_magic.plan(model, x)
+    with pytest.raises(ValueError, match="allow names wings"):
+        vram_magic.plan(model, x, gpu="T4", allow="wings")
+    with pytest.raises(ValueError, match="spans hosts"):
+        vram_magic.plan(model, torch.randn(16, 256), gpu="A100-80GB", gpus=16)
+    with pytest.raises(ValueError, match="global_batch must be"):
+        vram_magic.plan(model, x, gpu="T4", global_batch=0)
+
+
+def test_calibration_scales_every_time_by_the_measured_step():
+    model, x = mlp(2), torch.randn(16, 256)
+    plan = vram_magic.plan(model, x, device="cpu", budget="64MiB", top=3)
+
+    class Report:  # what calibrate reads of a report
+        wall_time, cell, peak, device = 0.5, 7, None, "cpu"
+
+    cal = plan.calibrate(Report(), row=1)
+    factor = 0.5 / plan.rows[1].step_time
+    assert cal.rows[1].step_time == pytest.approx(0.5)
+    assert cal.rows[0].step_time == pytest.approx(plan.rows[0].step_time * factor)
+    assert cal.calibration[0] == pytest.approx(factor) and "cell 7" in cal.calibration[1]
+    assert "calibrated" in str(cal)
+    with pytest.raises(TypeError, match="calibrate"):
+        plan.calibrate(object())
+    fig = plan.figure()
+    assert fig.axes[0].get_xlabel().startswith("step time")
+
+
+def test_magics_plan_and_cell_beside_its_row(shell):
+    run_ok(shell, "import torch\nfrom torch import nn\n"
+                  "model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))\n"
+                  "x = torch.randn(8, 256)")
+    run_ok(shell, "%vram_plan model --input x --device cpu --budget 64MiB --top 2 -q -o p")
+    plan = shell.user_ns["p"]
+    assert plan.model == "model" and len(plan.rows) <= 2
+    run_ok(shell, "%%vram --plan p:0 -q -o rep\nopt = torch.optim.AdamW(model.parameters())\n"
+                  "model(x).sum().backward()\nopt.step()")
+    from vram_magic.estimator.plans import check
+
+    c = check(plan, 0, shell.user_ns["rep"])
+    assert c.measured_time == shell.user_ns["rep"].wall_time and "predicted" in str(c)
+    result = shell.run_cell("%%vram --plan nothing:0\nx = 1")
+    assert "no variable 'nothing'" in str(result.error_in_exec)
+    result = shell.run_cell("%%vram --plan p:9\nx = 1")
+    assert "has rows 0" in str(result.error_in_exec)
+    result = shell.run_cell("%vram_plan model --input x --gpu T4 --gpus 3")
+    assert "does not split over 3 GPUs" in str(result.error_in_exec)
+
+
+def test_command_line_plan(capsys, tmp_path, monkeypatch):
+    from vram_magic.__main__ import main
+
+    (tmp_path / "tiny_plan_model.py").write_text(
+        "import torch\nfrom torch import nn\n\ndef build():\n    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), "
+        "nn.Linear(256, 64))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["plan", "tiny_plan_model:build", "--input", "torch.randn(8, 64)", "--device", "cpu",
+                 "--budget", "32MiB", "--top", "2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["rows"] and out["rows"][0]["fits"] and out["unit"] == "samples/s"
+    assert math.isclose(sum(out["rows"][0]["time"].values()), out["rows"][0]["step_time"], rel_tol=1e-9)
+    assert main(["plan", "tiny_plan_model:build", "--input", "torch.randn(8, 64)", "--gpu", "T4", "--gpus",
+                 "3"]) == 2

@@ -1,0 +1,137 @@
+"""One combination of strategies (:class:`Choice`) and what it means for the user: its name, what changes, what
+changes the training's math, the code that applies it, and what it costs besides time (after the guide's chapter 5:
+no saving is free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..options import Options, optimizer_name, short_dtype
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Micro-batch × accumulation (``micro × accumulate`` samples a rank, ``global_batch`` over every rank),
+    checkpointing, the ZeRO stage, offload, mixed precision, adapters, the optimizer (``None``: the user's)."""
+
+    micro: int
+    accumulate: int
+    checkpointing: bool | int
+    zero: int | None
+    offload: bool
+    amp: torch.dtype | None
+    lora: int | None
+    quantize: str | None
+    optimizer: Any
+    global_batch: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.micro * self.accumulate
+
+    def trace_class(self) -> tuple[Any, ...]:
+        """What changes the fake run besides the micro-batch and accumulation."""
+        return (self.checkpointing, self.amp, self.lora, self.quantize, self.optimizer)
+
+    def options(self, base: Options, gpus: int) -> Options:
+        return base.with_(batch=self.per_rank, accumulate=self.accumulate, checkpointing=self.checkpointing,
+                          zero=self.zero, world=gpus if gpus > 1 else 1, offload=self.offload, amp=self.amp,
+                          lora=self.lora, quantize=self.quantize,
+                          optimizer=self.optimizer if self.optimizer is not None else base.optimizer)
+
+
+@dataclass(frozen=True)
+class Facts:
+    name: str
+    changes: tuple[str, ...] = ()
+    numerics: tuple[str, ...] = ()
+    code: tuple[str, ...] = ()
+    tradeoffs: tuple[str, ...] = ()
+
+
+def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gpus: int = 1) -> Facts:
+    """What ``c`` changes from a plain step of ``base`` (one micro-batch a step, nothing sharded or offloaded), with
+    code and trade-offs when ``model`` (its source) is given."""
+    changes, numerics, code, trade = [], [], [], []
+    built = _model(model)
+    hf = built is not None and callable(getattr(built, "gradient_checkpointing_enable", None))
+    if c.accumulate > 1:
+        changes.append(f"micro-batch {c.micro} × {c.accumulate} accumulated")
+        code.append(f"for micro in batch.split({c.micro}):  # {c.accumulate} micro-batches a step\n"
+                    f"    (model(micro).loss / {c.accumulate}).backward()\noptimizer.step(); optimizer.zero_grad()")
+        if built is not None and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in built.modules()):
+            trade.append(f"BatchNorm's statistics come from micro-batches of {c.micro} samples, not "
+                         f"{c.per_rank}: noisier, and different from a step of the whole batch")
+    if c.checkpointing:
+        every = int(c.checkpointing)
+        changes.append("checkpointing" + (f" every {every} blocks" if every > 1 else ""))
+        if hf and every == 1:
+            code.append("model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+        else:
+            code.append("from torch.utils.checkpoint import checkpoint\n"
+                        f"# in the forward, around {'every block' if every == 1 else f'one block in {every}'}:\n"
+                        "x = checkpoint(block, x, use_reentrant=False)")
+        trade.append("the checkpointed blocks' forward runs again in the backward")
+    if c.amp is not None:
+        name = short_dtype(c.amp)
+        changes.append(f"{name} autocast")
+        numerics.append(f"{name} mixed precision")
+        device = "cuda" if base.device == "cuda" else "cpu"
+        code.append(f"with torch.autocast({device!r}, dtype=torch.{'bfloat16' if name == 'bf16' else 'float16'}):\n"
+                    "    loss = model(**batch).loss")
+        if c.amp == torch.float16:
+            code.append("scaler = torch.amp.GradScaler(); scaler.scale(loss).backward(); scaler.step(optimizer); "
+                        "scaler.update()")
+            trade.append(f"fp16's range is narrow: loss scaling is needed ({gpu.name if gpu else 'this GPU'} has no "
+                         "bf16), and some models overflow")
+    if c.lora:
+        changes.append(f"{'QLoRA: nf4 base + ' if c.quantize else ''}LoRA r={c.lora}")
+        numerics.append(f"LoRA trains rank-{c.lora} adapters, not the model's weights")
+        code.append("from peft import LoraConfig, get_peft_model\n"
+                    f"model = get_peft_model(model, LoraConfig(r={c.lora}, target_modules='all-linear'))")
+        if c.quantize:
+            code.insert(len(code) - 1, "from transformers import BitsAndBytesConfig  # load the base in 4 bits\n"
+                        "quantization_config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4')")
+            trade.append("a 4-bit base: each matmul dequantizes its weight (slower), a small quality loss")
+        trade.append("another fine-tuning method: only the adapters learn")
+    if c.optimizer is not None:
+        changes.append(optimizer_name(c.optimizer))
+        numerics.append(f"{optimizer_name(c.optimizer)} instead of {optimizer_name(base.optimizer)}")
+        code.append({"sgd-momentum": "torch.optim.SGD(model.parameters(), lr=..., momentum=0.9)",
+                     "adafactor": "torch.optim.Adafactor(model.parameters(), lr=...)"}.get(str(c.optimizer),
+                                                                                         str(c.optimizer)))
+        trade.append("another optimizer: its learning rate and schedule need tuning again")
+    if c.zero:
+        what = {1: "ZeRO-1 (optimizer state sharded)", 2: "ZeRO-2 (optimizer state and gradients sharded)",
+                3: "FSDP / ZeRO-3 (everything sharded)"}[c.zero]
+        changes.append(f"{what} × {gpus}")
+        code.append({1: "torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW)",
+                     2: "deepspeed.initialize(model=model, config={'zero_optimization': {'stage': 2}, ...})",
+                     3: "from torch.distributed.fsdp import fully_shard\nfor block in blocks: fully_shard(block)\n"
+                        "fully_shard(model)"}[c.zero])
+    elif gpus > 1:
+        changes.append(f"DDP × {gpus}")
+        code.append("model = torch.nn.parallel.DistributedDataParallel(model)")
+    if c.offload:
+        changes.append("optimizer state on the host")
+        code.append(f"deepspeed config: {{'zero_optimization': {{'stage': {c.zero or 1}, "
+                    "'offload_optimizer': {'device': 'cpu'}}}")
+        trade.append("the update runs on the CPU and gradients and weights cross PCIe every step")
+    if c.global_batch and c.per_rank * gpus != c.global_batch:
+        changes.append(f"global batch {c.per_rank * gpus}")
+    name = ", ".join(changes) if changes else "as it is"
+    return Facts(name, tuple(changes), tuple(numerics), tuple(code), tuple(trade))
+
+
+def _model(source: Any) -> Any:
+    """The model a source holds, when it is a module (a builder is not built again for words)."""
+    if source is None:
+        return None
+    get = getattr(source, "module", None)
+    try:
+        return get() if callable(get) else None
+    except Exception:
+        return None

@@ -1,0 +1,159 @@
+"""The time model: a traced step's ops timed on a device, and what a layout adds to them.
+
+**Ops.** Each op of the traced step takes ``max(FLOPs ÷ the matmul rate for its dtype and size, bytes moved ÷
+bandwidth, the device's floor) + its fixed cost`` (``rates.py``). FLOPs are PyTorch's own formulas
+(``torch.utils.flop_counter``); bytes are the op's tensor arguments and results; views move nothing. Checkpointing's
+recomputed forward is in the trace (counted as *recompute*), and so is the optimizer step (mostly bandwidth-bound).
+
+**Accumulation.** The trace runs one micro-batch, or two for gradient accumulation; an optimizer step of ``K``
+micro-batches is ``K`` times one micro-batch's forward and backward, and one update.
+
+**Communication** (ring algorithms, each rank moving ``(N − 1) / N`` of a buffer per pass; ``bandwidth`` is the link's
+per direction, at :data:`LINK_EFFICIENCY`; at least :data:`COLLECTIVE_LATENCY` per collective):
+
+* DDP all-reduces the gradients once per optimizer step (``no_sync`` during accumulation): ``2 (N − 1)/N × G``;
+* ZeRO-1 reduce-scatters the gradients and all-gathers the updated parameters: ``(N − 1)/N × (G + P)``;
+* ZeRO-2 reduce-scatters each micro-batch's gradients (the unsharded ones are not kept) and all-gathers the
+  parameters once: ``(N − 1)/N × (K G + P)``;
+* ZeRO-3 / FSDP all-gathers the parameters for each micro-batch's forward and again for its backward and
+  reduce-scatters its gradients: ``(N − 1)/N × K (2 P + G)``.
+
+**Offload.** Optimizer state on the host: the gradients go down and the parameters come back over PCIe each step
+(at :data:`PCIE_EFFICIENCY`), and the host runs the update at :data:`HOST_ADAM_RATE` parameters per second, shared by
+the ranks of one host.
+
+**Overlap.** None is assumed: communication, transfers and the host's update add to the GPU's time (an upper
+bound; FSDP and DDP overlap much of their communication with compute, and the result says so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+from ...engine.phases import Phase
+from ..tracing.oplog import ATTENTION, CONV, DTYPES, MATMUL, OpLog
+from .rates import Rates
+
+#: fraction of the link's per-direction bandwidth a ring collective reaches: nccl-tests' bus bandwidth on 8-GPU
+#: NVLink nodes is 78 % (A100) to 82 % (H100, H200) of it (NVIDIA/nccl-tests#212; stas00/ml-engineering)
+LINK_EFFICIENCY = 0.8
+#: fraction of PCIe x16's bandwidth a host transfer reaches (an H200's measured host-to-device copy: 88 %)
+PCIE_EFFICIENCY = 0.85
+#: seconds a collective takes at least (llm-analysis's minimum message latency within a node)
+COLLECTIVE_LATENCY = 8e-6
+#: parameters per second one host's CPUs update with Adam (DeepSpeed's CPU-Adam: 11.6 B parameters in 8.2 s,
+#: deepspeedai/DeepSpeed#735)
+HOST_ADAM_RATE = 1.4e9
+#: GPUs one host holds, sharing its CPUs (an 8-GPU node)
+GPUS_PER_HOST = 8
+
+_OPTIMIZER_STAGES = frozenset({int(Phase.OPTIMIZER), int(Phase.ZERO_GRAD)})
+_COMPUTE_KINDS = frozenset({MATMUL, ATTENTION, CONV})
+
+
+@dataclass(frozen=True)
+class OpTimes:
+    """A traced stretch of ops timed: matmul-like ops, memory-bound ops, the recompute, the optimizer, in seconds."""
+
+    compute: float = 0.0
+    memory: float = 0.0
+    recompute: float = 0.0
+    optimizer: float = 0.0
+    ops: int = 0
+
+
+def time_ops(log: OpLog, rates: Rates, start: int = 0) -> OpTimes:
+    """Every op of ``log`` from row ``start`` on, timed on ``rates``."""
+    compute = memory = recompute = optimizer = 0.0
+    matmul, bandwidth, per_op, floor = rates.matmul, rates.bandwidth, rates.per_op, rates.floor
+    n = 0
+    for stage, kind, dtype, again, flops, nbytes in log.rows(start):
+        n += 1
+        t = nbytes / bandwidth
+        if flops:
+            t = max(t, flops / matmul(DTYPES[dtype], flops))
+        t = max(t, floor) + per_op
+        if stage in _OPTIMIZER_STAGES:
+            optimizer += t
+        elif again:
+            recompute += t
+        elif kind in _COMPUTE_KINDS:
+            compute += t
+        else:
+            memory += t
+    return OpTimes(compute, memory, recompute, optimizer, n)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Where a step's time goes, in seconds: ``compute`` (matmuls, attention, convolutions), ``memory`` (memory-bound
+    ops), ``recompute`` (checkpointing's second forward), ``optimizer`` (the update, on the device or the host),
+    ``transfers`` (offload's PCIe traffic), ``collectives`` (data-, tensor- and pipeline-parallel communication),
+    ``bubble`` (a pipeline's idle stages)."""
+
+    compute: float = 0.0
+    memory: float = 0.0
+    recompute: float = 0.0
+    optimizer: float = 0.0
+    transfers: float = 0.0
+    collectives: float = 0.0
+    bubble: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def scaled(self, factor: float) -> StepTime:
+        return StepTime(**{k: v * factor for k, v in self.as_dict().items()})
+
+
+def ring(volume: float, world: int, bandwidth: float, passes: float = 1.0, count: int = 1) -> float:
+    """Seconds for ``count`` ring collectives moving ``volume`` bytes in all, ``passes`` times over (an all-reduce is
+    two: a reduce-scatter, then an all-gather), across ``world`` ranks."""
+    if world < 2 or volume <= 0:
+        return 0.0
+    moved = passes * (world - 1) / world * volume
+    return max(moved / (bandwidth * LINK_EFFICIENCY), COLLECTIVE_LATENCY * count)
+
+
+def data_parallel(stage: int | None, world: int, params: float, grads: float, micro: int, bandwidth: float) -> float:
+    """Seconds of data-parallel communication per optimizer step: DDP (``stage`` None) or ZeRO-1/2/3 across ``world``
+    ranks, with ``params`` and ``grads`` the bytes of the whole model's parameters and gradients and ``micro`` the
+    micro-batches of the step (module documentation)."""
+    if world < 2:
+        return 0.0
+    if not stage:
+        return ring(grads, world, bandwidth, passes=2)
+    if stage == 1:
+        return ring(grads + params, world, bandwidth, count=2)
+    if stage == 2:
+        return ring(micro * grads + params, world, bandwidth, count=micro + 1)
+    return ring(micro * (2 * params + grads), world, bandwidth, count=3 * micro)
+
+
+def offload(params: float, grads: float, pcie: float, ranks_per_host: int, parameters: float) -> tuple[float, float]:
+    """``(transfers, host update)`` in seconds per step for optimizer state on the host: one rank's ``grads`` bytes down
+    and ``params`` bytes up over ``pcie`` bytes/s, and its ``parameters`` updated by a host shared with
+    ``ranks_per_host`` ranks."""
+    transfers = (params + grads) / (pcie * PCIE_EFFICIENCY) if pcie > 0 else 0.0
+    update = parameters / (HOST_ADAM_RATE / max(ranks_per_host, 1))
+    return transfers, update
+
+
+def pipeline_bubble(stages: int, micro_batches: int) -> float:
+    """The idle fraction of a pipeline of ``stages`` stages over ``micro_batches`` micro-batches, GPipe's and 1F1B's
+    alike: ``(p − 1) / (m + p − 1)``."""
+    if stages < 2:
+        return 0.0
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def summed(times: Iterable[StepTime]) -> StepTime:
+    out = StepTime()
+    for t in times:
+        out = StepTime(**{k: getattr(out, k) + v for k, v in t.as_dict().items()})
+    return out

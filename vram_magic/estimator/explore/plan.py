@@ -1,0 +1,307 @@
+"""The planner: the combinations of strategies that make a training step fit the GPUs asked for, ranked by their
+predicted step time.
+
+It searches only changes that keep the training's math — micro-batch × accumulation at the same global batch,
+activation checkpointing (none, every block, every second block), ZeRO-1/2/3 or FSDP over the GPUs, the optimizer's
+state on the host — plus mixed precision (bf16 autocast, or fp16 with loss scaling where the GPU has no bf16), which
+its rows mark as changing the numerics; LoRA and QLoRA, another optimizer and a smaller global batch only when
+``allow`` names them.
+
+Screen, then exact: each *trace class* (what changes the fake run: checkpointing, precision, adapters, the optimizer)
+is traced at its two smallest micro-batches; every combination is scored from them — memory and time interpolated
+in the micro-batch, the layout's share computed (``layouts/``), the collectives and transfers from their formulas
+(``cost.py``). The fastest that the screen says fit are then estimated exactly, one after another, until ``top`` of
+them fit: every row shown is an exact estimate (``estimate(model, inputs, **row.options)``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ..layouts.zero import ZeroLayout
+from ..options import Options, make_options, optimizer_name, short_dtype
+from ..plans import Plan, PlanRow, Scored
+from ..target import Target, make_target
+from ..tracing.request import Request
+from .choices import Choice, describe
+from .cost import OpTimes, StepTime
+from .timing import Network, micro_ops, network_for, rates_for, step_time
+
+#: what ``allow=`` may name: LoRA/QLoRA (changes what is trained), weight quantization (with LoRA), another
+#: optimizer, a smaller global batch
+ALLOWED = ("lora", "quantize", "optimizer", "batch")
+#: micro-batch sizes tried per trace class at most
+MAX_MICRO = 6
+#: exact estimates made at most to fill the rows shown
+MAX_EXACT = 30
+
+
+def parse_allow(allow: Any) -> frozenset[str]:
+    if allow is None:
+        return frozenset()
+    items = [a.strip().lower() for a in allow.split(",")] if isinstance(allow, str) else [str(a).lower() for a in allow]
+    wrong = [a for a in items if a and a not in ALLOWED]
+    if wrong:
+        raise ValueError(f"allow names {', '.join(wrong)}; it takes {', '.join(ALLOWED)}")
+    return frozenset(a for a in items if a)
+
+
+def micro_sizes(per_rank: int) -> list[int]:
+    """The micro-batches tried for ``per_rank`` samples a rank: its divisors, at most :data:`MAX_MICRO` of them (the
+    smallest, the largest and the powers of two between)."""
+    divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+    if len(divisors) <= MAX_MICRO:
+        return divisors
+    keep = {divisors[0], divisors[-1]} | {d for d in divisors if d & (d - 1) == 0}
+    chosen = sorted(keep)
+    while len(chosen) > MAX_MICRO:
+        chosen.pop(len(chosen) // 2)
+    return chosen
+
+
+@dataclass
+class _Anchor:
+    """A trace class estimated exactly at its largest micro-batch (one micro-batch a step, nothing sharded): what it
+    needs, its activations at the peak, its model states, its ops' times."""
+
+    micro: int
+    needed: int
+    activations: int
+    model_states: int
+    ops: OpTimes
+    trace: Any
+
+
+class Planner:
+    """One plan's search: the workload that traces, the target, the network and the device's rates."""
+
+    def __init__(self, request: Request, base: Options, target: Target, gpus: int, net: Network,
+                 progress: Callable[[str], None] | None) -> None:
+        from ..step.workload import StepWorkload
+
+        self.workload = StepWorkload(request, target)
+        self.base, self.target, self.gpus, self.net, self.progress = base, target, gpus, net, progress
+        self.rates = rates_for(base.device, target.gpu)
+        self.anchors: dict[Any, _Anchor] = {}
+
+    def say(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress(text)
+
+    def options(self, c: Choice) -> Options:
+        return c.options(self.base, self.gpus)
+
+    def anchor(self, c: Choice) -> _Anchor:
+        """The anchor of ``c``'s trace class: traced at one micro-batch of the whole per-rank batch."""
+        key = c.trace_class()
+        if key not in self.anchors:
+            whole = replace(c, micro=c.per_rank, accumulate=1, zero=None, offload=False)
+            self.say(f"tracing {describe(whole, self.base).name}")
+            est = self.workload.evaluate(self.options(whole))
+            trace = self.workload.trace(self.options(whole))
+            self.anchors[key] = _Anchor(whole.micro, est.needed, est.peak["activations"], est.model_states,
+                                        micro_ops(trace, self.rates), trace)
+        return self.anchors[key]
+
+    def screen(self, c: Choice) -> tuple[int, StepTime]:
+        """``(needed, time)`` of ``c`` from its class's anchor: the activations and the ops' times scaled to the
+        micro-batch (accumulation keeping every gradient alive into the next micro-batch), the layout's share of the
+        model states and its buffers computed."""
+        a = self.anchor(c)
+        share = c.micro / a.micro
+        needed = a.needed - a.activations * (1 - share)
+        opts = self.options(c)
+        if c.accumulate > 1:
+            needed += a.trace.grad_bytes
+        ops = OpTimes(a.ops.compute * share, a.ops.memory * share, a.ops.recompute * share, a.ops.optimizer)
+        layout = ZeroLayout.of(opts, a.trace)
+        states = layout.model_states(a.trace, opts, a.trace.state_bytes)
+        needed += states - a.model_states + sum(layout.buffers(True).values())
+        return int(needed), step_time(ops, opts, a.trace, self.net)
+
+    def exact(self, c: Choice) -> tuple[Any, StepTime]:
+        opts = self.options(c)
+        est = self.workload.evaluate(opts)
+        trace = self.workload.trace(opts)
+        return est, step_time(micro_ops(trace, self.rates), opts, trace, self.net)
+
+
+def choices(base: Options, per_rank: int, global_batch: int, gpus: int, allow: frozenset[str], half: Any,
+            blocks: int) -> list[Choice]:
+    """Every combination the plan scores."""
+    ckpts: list[bool | int] = [False, True] + ([2] if blocks >= 4 else [])
+    precisions: list[Any] = [None] if base.dtype in (torch.bfloat16, torch.float16) else [None, half]
+    adapters: list[tuple[int | None, str | None]] = [(base.lora, base.quantize)]
+    if "lora" in allow and not base.lora:
+        adapters.append((16, None))
+        if "quantize" in allow and not base.quantize:
+            adapters.append((16, "nf4"))
+    optimizers: list[Any] = [None]
+    if "optimizer" in allow and optimizer_name(base.optimizer).lower() in ("adam", "adamw"):
+        optimizers += ["sgd-momentum", "adafactor"]
+    batches = [global_batch] + ([global_batch // 2] if "batch" in allow and global_batch // 2 >= gpus
+                                and (global_batch // 2) % gpus == 0 else [])
+    offloads = (False, True) if base.device == "cuda" else (False,)  # a CPU's optimizer state is on the host already
+    layouts: list[tuple[int | None, bool]] = [(None, o) for o in offloads]
+    if gpus > 1:
+        layouts += [(z, o) for z in (1, 2, 3) for o in offloads]
+    out = []
+    for g in batches:
+        rank_batch = g // gpus
+        for m in micro_sizes(rank_batch):
+            for ck in ckpts:
+                for amp in precisions:
+                    for lora, quant in adapters:
+                        for opt in optimizers:
+                            for zero, off in layouts:
+                                out.append(Choice(m, rank_batch // m, ck, zero, off, amp, lora, quant, opt, g))
+    return out
+
+
+def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batch: int | None = None,
+         device: str = "cuda", allow: Any = (), interconnect: Any = None, top: int | None = 10,
+         optimizer: Any = "adamw", loss_fn: Any = None, dtype: Any = None, budget: Any = None,
+         name: str | None = None, progress: Callable[[str], None] | None = None) -> Plan:
+    """:func:`vram_magic.plan`; see its documentation."""
+    t0 = time.perf_counter()
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a whole number ≥ 1, not {gpus!r}")
+    if device == "cuda" and gpu is None:
+        raise ValueError("plan() needs the GPU to time the step on: give gpu='A100-80GB' (or another known GPU)")
+    if device != "cuda" and gpus != 1:
+        raise ValueError("device='cpu' plans one process: drop gpus=")
+    allowed = parse_allow(allow)
+    top = 10 if top is None else top
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"top must be a whole number ≥ 1, not {top!r}")
+    base = make_options(optimizer=optimizer, dtype=dtype, device=device)
+    target = make_target(gpu, budget)
+    if target.capacity is None:
+        raise ValueError("plan() needs a capacity to fit: give gpu= or budget=")
+    from ..tracing.fake import check_inputs
+
+    check_inputs(inputs)
+    request = Request(model, inputs, loss_fn, name=name)
+    batch, tokens = _inputs_batch(request)
+    global_batch = batch if global_batch is None else global_batch
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch must be a whole number ≥ 1, not {global_batch!r}")
+    if global_batch % gpus:
+        raise ValueError(f"global batch {global_batch} does not split over {gpus} GPUs: give a multiple of {gpus}")
+    net = network_for(target.gpu, gpus, interconnect)
+    planner = Planner(request, base, target, gpus, net, progress)
+    half = torch.bfloat16 if target.gpu is None or target.gpu.has_bf16 else torch.float16
+    first = planner.anchor(Choice(global_batch // gpus, 1, False, None, False, None, base.lora, base.quantize, None,
+                                  global_batch))
+    blocks = len(first.trace.unit_param_bytes)
+    space = choices(base, global_batch // gpus, global_batch, gpus, allowed, half, blocks)
+    planner.say(f"screening {len(space)} combinations")
+    return _rank(planner, space, top, tokens, request, t0)
+
+
+def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request: Request, t0: float) -> Plan:
+    target = planner.target
+    capacity = target.capacity
+    assert capacity is not None
+    scored: list[tuple[Choice, int, StepTime]] = []
+    for c in space:
+        needed, t = planner.screen(c)
+        scored.append((c, needed, t))
+    fitting = sorted((s for s in scored if s[1] <= capacity), key=lambda s: s[2].total)
+    rows: list[PlanRow] = []
+    exact: dict[Choice, tuple[Any, StepTime]] = {}
+    for c, _needed, _t in fitting:  # the fastest the screen says fit, estimated exactly until enough do
+        if len(rows) >= top or len(exact) >= MAX_EXACT:
+            break
+        planner.say(f"estimating {describe(c, planner.base).name} exactly")
+        est, t = planner.exact(c)
+        exact[c] = (est, t)
+        if est.fits:
+            rows.append(_row(c, est, t, planner, tokens, request))
+    notes: list[str] = []
+    rows.sort(key=lambda r: r.step_time)
+    if not rows:  # nothing fits: the closest by the screen, estimated exactly
+        for c, _needed, _t in sorted(scored, key=lambda s: s[1])[:top]:
+            if c not in exact:
+                planner.say(f"estimating {describe(c, planner.base).name} exactly")
+                exact[c] = planner.exact(c)
+        closest = sorted(exact.items(), key=lambda kv: kv[1][0].needed)[:top]
+        rows = [_row(c, est, t, planner, tokens, request) for c, (est, t) in closest]
+        notes.append("nothing fits: the rows are the combinations that come closest, by what they need")
+    marks = {c: (est.needed, t.total) for c, (est, t) in exact.items()}
+    screen = tuple(Scored(describe(c, planner.base).name, marks.get(c, (n, t.total))[0],
+                          marks.get(c, (n, t.total))[1], marks.get(c, (n, t.total))[0] <= capacity, c in marks)
+                   for c, n, t in scored)
+    gpu = target.gpu
+    return Plan(model=request.name, device=planner.base.device, gpu=gpu.name if gpu is not None else None,
+                gpus=planner.gpus, capacity=capacity, global_batch=space[0].global_batch if space else 0,
+                unit="tokens/s" if tokens else "samples/s", rows=tuple(rows), scored=screen,
+                assumptions=_assumptions(planner), notes=tuple(notes), traced=planner.workload.traced,
+                wall_time=time.perf_counter() - t0)
+
+
+def _row(c: Choice, est: Any, t: StepTime, planner: Planner, tokens: int, request: Request) -> PlanRow:
+    facts = describe(c, planner.base, model=request.source, gpu=planner.target.gpu, gpus=planner.gpus)
+    per_second = c.global_batch / t.total if t.total > 0 else 0.0
+    return PlanRow(name=facts.name, options=_kwargs(c, planner), changes=facts.changes, peak=est.peak,
+                   needed=est.needed, fits=est.fits, step_time=t.total,
+                   throughput=per_second * (tokens or 1), time=t.as_dict(), micro_batch=c.micro,
+                   accumulate=c.accumulate, numerics=facts.numerics, code=facts.code, tradeoffs=facts.tradeoffs)
+
+
+def _kwargs(c: Choice, planner: Planner) -> dict[str, Any]:
+    """The :func:`vram_magic.estimate` keyword arguments that give the row's memory."""
+    base, target = planner.base, planner.target
+    out: dict[str, Any] = {"optimizer": c.optimizer or base.optimizer, "batch": c.per_rank, "device": base.device}
+    if base.dtype is not None:
+        out["dtype"] = short_dtype(base.dtype)
+    if c.amp is not None:
+        out["amp"] = short_dtype(c.amp)
+    if c.checkpointing:
+        out["checkpointing"] = c.checkpointing
+    if c.accumulate > 1:
+        out["accumulate"] = c.accumulate
+    if c.zero:
+        out.update(zero=c.zero, world=planner.gpus)
+    elif planner.gpus > 1:
+        out["world"] = planner.gpus
+    if c.offload:
+        out["offload"] = True
+    if c.lora:
+        out["lora"] = c.lora
+    if c.quantize:
+        out["quantize"] = c.quantize
+    if target.gpu is not None:
+        out["gpu"] = target.gpu.name
+    elif target.budget is not None:
+        out["budget"] = target.budget
+    return out
+
+
+def _assumptions(planner: Planner) -> tuple[str, ...]:
+    out = [planner.rates.assumptions]
+    if planner.gpus > 1:
+        out.append(f"{planner.gpus} GPUs over {planner.net.name}; ring collectives at 80 % of it")
+    out.append("no overlap assumed: communication, offload's transfers and the host's update add to the step "
+               "(FSDP and DDP overlap much of their communication with compute: an upper bound)")
+    return tuple(out)
+
+
+def _inputs_batch(request: Request) -> tuple[int, int]:
+    """``(batch, tokens per sample)`` of the inputs: dimension 0 of the first tensor, and its dimension 1 when it
+    holds token ids (integers, two dimensions), else 0."""
+    from ..torch_private import FakeTensorMode
+    from ..tracing.fake import specs_in
+
+    specs = specs_in(request.input_specs(FakeTensorMode(allow_non_fake_inputs=True)))
+    if not specs or not specs[0].shape:
+        raise ValueError("the inputs have no batch dimension to plan over")
+    first = specs[0]
+    tokens = first.shape[1] if len(first.shape) == 2 and not first.dtype.is_floating_point else 0
+    return first.shape[0], tokens
+

@@ -1,0 +1,112 @@
+"""How long one configuration's step takes: its traced ops timed on the device (``cost.py``, ``rates.py``), times the
+micro-batches of an optimizer step, with what the layout adds — the data-parallel collectives over the network
+between the GPUs, offload's transfers and the host's update.
+
+The network is the GPU's own link (NVLink) for GPUs of one host, else what ``interconnect=`` names: ``"nvlink"``,
+``"pcie"`` (GPUs that talk through the host), ``"ethernet-100g"``, ``"ethernet-25g"``, ``"infiniband-200g"``,
+``"infiniband-400g"`` (one link per GPU, as DGX-class hosts have), or a bandwidth in bytes/s per GPU and direction. A
+ring across hosts runs at its slowest link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..options import Options
+from ..target.gpus import GPU
+from ..tracing.traced import Trace
+from .cost import GPUS_PER_HOST, OpTimes, StepTime, data_parallel, offload, time_ops
+from .rates import Rates, cpu_rates, gpu_rates
+
+GB = 1e9
+#: links between hosts, per GPU and direction, bytes/s (line rates: 100 Gb/s Ethernet is 12.5 GB/s)
+NETWORKS = {"ethernet-25g": 25 / 8 * GB, "ethernet-100g": 100 / 8 * GB, "infiniband-200g": 200 / 8 * GB,
+            "infiniband-400g": 400 / 8 * GB}
+INTERCONNECTS = ("nvlink", "pcie", *NETWORKS)
+
+
+@dataclass(frozen=True)
+class Network:
+    """Where the GPUs' collectives and the host's transfers go: ``link`` bytes/s per GPU and direction between
+    ranks, ``pcie`` to the host, ``ranks_per_host`` sharing one host's CPUs, and what it is in words."""
+
+    link: float
+    pcie: float
+    ranks_per_host: int
+    name: str
+
+
+def network_for(gpu: GPU | None, gpus: int, interconnect: Any = None) -> Network:
+    """The network of ``gpus`` GPUs like ``gpu``; ``ValueError`` where one spanning hosts is not named."""
+    if gpu is None:
+        return Network(0.0, 0.0, 1, "none (one CPU)")
+    pcie = gpu.host_link
+    per_host = min(gpus, GPUS_PER_HOST)
+    intra = gpu.link or pcie
+    intra_name = "NVLink" if gpu.link and gpu.capability is not None else ("Infinity Fabric" if gpu.link else "PCIe")
+    if interconnect is None:
+        if gpus > GPUS_PER_HOST:
+            raise ValueError(f"gpus={gpus} spans hosts ({GPUS_PER_HOST} GPUs a host): say how they are connected, "
+                             f"e.g. interconnect='infiniband-400g' ({', '.join(INTERCONNECTS)}, or a bandwidth in "
+                             "bytes/s per GPU)")
+        return Network(intra, pcie, per_host, f"{intra_name} {intra / GB:.0f} GB/s per direction")
+    if isinstance(interconnect, (int, float)) and not isinstance(interconnect, bool):
+        if interconnect <= 0:
+            raise ValueError(f"interconnect must be a positive bandwidth in bytes/s, not {interconnect!r}")
+        link = float(interconnect)
+        name = f"{link / GB:.1f} GB/s per GPU"
+    elif interconnect == "nvlink":
+        if not gpu.link:
+            raise ValueError(f"{gpu.name} has no NVLink: use interconnect='pcie' or a network between hosts")
+        link, name = gpu.link, f"NVLink {gpu.link / GB:.0f} GB/s per direction"
+    elif interconnect == "pcie":
+        link, name = pcie, f"PCIe gen {gpu.pcie} ({pcie / GB:.1f} GB/s per direction)"
+    elif interconnect in NETWORKS:
+        link = NETWORKS[interconnect]
+        name = f"{interconnect} ({link / GB:.1f} GB/s per GPU)"
+    else:
+        raise ValueError(f"unknown interconnect {interconnect!r}; use one of {', '.join(INTERCONNECTS)}, or a "
+                         "bandwidth in bytes/s per GPU")
+    if gpus > GPUS_PER_HOST and interconnect not in ("nvlink", "pcie"):
+        link = min(link, intra)  # the ring crosses the hosts' links and the GPUs' own
+    return Network(link, pcie, per_host, name)
+
+
+def rates_for(device: str, gpu: GPU | None) -> Rates:
+    """The device's rates: a catalogued GPU's, or this CPU's as measured."""
+    if device == "cuda":
+        if gpu is None:
+            raise ValueError("a time needs the GPU's figures: give gpu='A100-80GB' (or another known GPU)")
+        return gpu_rates(gpu)
+    from ..target.cpu import cpu_profile
+
+    return cpu_rates(cpu_profile())
+
+
+def micro_ops(trace: Trace, rates: Rates) -> OpTimes:
+    """The traced last step's ops timed, their forward and backward per micro-batch (the trace ran one, or two for
+    accumulation), the optimizer's once."""
+    t = time_ops(trace.ops, rates, trace.ops_start)
+    n = max(trace.micro_steps, 1)
+    return OpTimes(t.compute / n, t.memory / n, t.recompute / n, t.optimizer, t.ops)
+
+
+def step_time(ops: OpTimes, opts: Options, trace: Trace, net: Network) -> StepTime:
+    """An optimizer step (or one inference forward) of ``opts``: ``ops`` of one micro-batch times the micro-batches,
+    the update (sharded by ZeRO; on the host with offload), the collectives and the transfers."""
+    micro = 1 if opts.inference else opts.accumulate
+    world = opts.world if opts.world > 1 else 1
+    optimizer = ops.optimizer / world if opts.zero else ops.optimizer
+    transfers = 0.0
+    if opts.offload and not opts.inference:
+        shard = world if opts.zero else 1
+        transfers, optimizer = offload(trace.param_bytes / shard, trace.grad_bytes / shard, net.pcie,
+                                       net.ranks_per_host, trace.param_count / shard)
+    collectives = 0.0 if opts.inference else data_parallel(opts.zero, world, trace.param_bytes, trace.grad_bytes,
+                                                           micro, net.link)
+    return StepTime(compute=ops.compute * micro, memory=ops.memory * micro, recompute=ops.recompute * micro,
+                    optimizer=optimizer, transfers=transfers, collectives=collectives)
+
+
+__all__ = ["INTERCONNECTS", "NETWORKS", "Network", "micro_ops", "network_for", "rates_for", "step_time"]

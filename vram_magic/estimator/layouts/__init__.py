@@ -1,0 +1,41 @@
+"""How one rank's share of a traced step is computed: each layout says which of the traced storages a rank holds and
+at what size, the buffers its collectives add and when they are alive, and the model states it keeps. Data parallelism
+(replicated, ZeRO, FSDP; ``zero.py``) is the first layout."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ..options import Options
+from ..tracing.traced import Trace
+
+
+class Layout(Protocol):
+    """One rank's view of a traced step."""
+
+    def rank_sizes(self, trace: Trace, opts: Options) -> tuple[dict[int, int], int]:
+        """Each storage's bytes on the rank, and the optimizer state's bytes before sharding and offload."""
+        ...
+
+    def buffers(self, training: bool) -> dict[str, int]:
+        """The collectives' buffers (modelled), by what they are."""
+        ...
+
+    def window(self, trace: Trace) -> tuple[int, int]:
+        """The events during which the buffers are alive."""
+        ...
+
+    def model_states(self, trace: Trace, opts: Options, state_bytes: int) -> int:
+        """Parameters, gradients and optimizer state the rank keeps for the whole step."""
+        ...
+
+    def notes(self, opts: Options) -> list[str]:
+        """What the layout did, in words."""
+        ...
+
+
+def layout_for(opts: Options, trace: Trace) -> Layout:
+    """The layout ``opts`` ask for."""
+    from .zero import ZeroLayout
+
+    return ZeroLayout.of(opts, trace)

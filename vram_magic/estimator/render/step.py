@@ -1,0 +1,64 @@
+"""Text and HTML of a step's estimate (a training or an inference step): pure functions of the result."""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING
+
+from ...units import format_bytes
+from .common import flops_text, report_html, report_text, title, top_modules_line
+
+if TYPE_CHECKING:
+    from ..result import StepEstimate
+
+
+def heading(est: StepEstimate) -> str:
+    shape = f" · batch {est.batch}" if est.batch is not None else ""
+    if est.micro_batch is not None and est.micro_batch != est.batch:
+        shape += f" (micro-batch {est.micro_batch})"
+    return title(est, shape)
+
+
+def summary(est: StepEstimate) -> list[str]:
+    """What the step trained on and what it keeps for the whole step: the loss, the model states."""
+    lines = []
+    if est.loss:
+        lines.append(f"loss: {est.loss}")
+    if est.model_states and est.options is not None and not est.options.inference:
+        per_rank = " per rank" if est.options.zero else ""
+        lines.append(f"model states{per_rank} (parameters + gradients + optimizer state): "
+                     f"{format_bytes(est.model_states)}")
+    return lines
+
+
+def compute_line(est: StepEstimate) -> str:
+    fwd, bwd = flops_text(est.flops["forward"]), flops_text(est.flops["backward"])
+    return f"compute per optimizer step: {flops_text(est.total_flops)} (forward {fwd}, backward {bwd})"
+
+
+def searched(est: StepEstimate) -> list[str]:
+    lines = []
+    if est.max_batch is not None:
+        lines.append(f"largest batch that fits: {est.max_batch}")
+    if est.max_seq is not None:
+        lines.append(f"longest sequence that fits: {est.max_seq}")
+    return lines
+
+
+def estimate_text(est: StepEstimate) -> str:
+    lines = summary(est)
+    if est.top_modules:
+        lines.append(top_modules_line(est))
+    if est.flops:
+        lines.append(compute_line(est))
+    return report_text(est, heading(est), lines + searched(est))
+
+
+def estimate_html(est: StepEstimate) -> str:
+    notes = [f"<div>{html.escape(line)}</div>" for line in summary(est)]
+    if est.top_modules:
+        notes.append(f"<div>{top_modules_line(est, code=True)}</div>")
+    if est.flops:
+        notes.append(f"<div>{html.escape(compute_line(est))}</div>")
+    notes += [f"<div><b>{html.escape(line)}</b></div>" for line in searched(est)]
+    return report_html(est, heading(est), notes)

@@ -1,0 +1,47 @@
+"""What to estimate: the model's source, the inputs (shapes, or a callable run once on fake tensors) and the loss."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..torch_private import FakeTensorMode
+from .errors import EstimateError
+from .fake import ModelSource, specs_in, to_specs
+
+
+class Request:
+    """What to estimate: the model's source, the inputs (specs or a callable) and the loss function."""
+
+    def __init__(self, model: Any, inputs: Any, loss_fn: Callable[[Any], Any] | None = None,
+                 name: str | None = None) -> None:
+        self.source = ModelSource(model)
+        self.name = name or self.source.name  # what the report calls the model
+        if callable(inputs) and not isinstance(inputs, torch.Tensor):
+            self.inputs_fn: Callable[[], Any] | None = inputs
+            self.specs: Any = None
+        else:
+            self.inputs_fn = None
+            self.specs = to_specs(inputs)
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a callable output -> scalar tensor, not {type(loss_fn).__name__}")
+        self.loss_fn = loss_fn
+
+    def input_specs(self, mode: FakeTensorMode) -> Any:
+        if self.specs is None:
+            assert self.inputs_fn is not None
+            from .known_values import ValueMode
+
+            with mode, ValueMode():
+                try:
+                    made = self.inputs_fn()
+                except Exception as err:
+                    raise EstimateError(f"the inputs callable raised {type(err).__name__}: {err}") from err
+            specs = to_specs(made)
+            if not specs_in(specs):
+                raise TypeError("the inputs callable must return a tensor, or a tuple/list or dict of tensors; "
+                                f"it returned {type(made).__name__}")
+            self.specs = specs  # shapes only: the callable runs once
+        return self.specs
