@@ -381,9 +381,16 @@ def _bound(args: Any, kwargs: Mapping[str, Any], names: tuple[str, ...], default
 
 def call_with(model: CudaAttention, args: Any, kwargs: Mapping[str, Any]) -> torch.Tensor:
     """``model`` called with ``scaled_dot_product_attention``'s arguments, positional or by name."""
-    q, k, v, *values = _bound(args, kwargs, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-                                             "enable_gqa"), (None, None, None, None, 0.0, False, None, False))
-    return model(q, k, v, *values)
+    q, k, v, mask, *values = _bound(args, kwargs, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal",
+                                                   "scale", "enable_gqa"), (None, None, None, None, 0.0, False, None,
+                                                                            False))
+    if torch.is_autocast_enabled("cpu"):  # the trace's autocast, standing for CUDA's
+        # SDPA is on autocast's lower-precision list (autocast_mode.cpp): its floating-point arguments are cast
+        # before the kernel is chosen (an fp32 rotary embedding's q and k become bf16, and flash can take them)
+        low = torch.get_autocast_dtype("cpu")
+        q, k, v, mask = (t.to(low) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                         else t for t in (q, k, v, mask))
+    return model(q, k, v, mask, *values)
 
 
 __all__ = ["CudaKernelMode", "BACKWARD_OPS", "CudaAttention", "DEFAULT_CAPABILITY", "SDPA", "SdpaRules", "call_with",
