@@ -57,7 +57,7 @@ LLAMA = {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512, "
          "vocab_size": 1024, "max_position_embeddings": 256}
 LLAMA_BATCH, LLAMA_SEQ = 4, 128
 STEPS = 2
-JOIN_S = 240  # one launch's ranks, at most
+JOIN_S = int(os.environ.get("VRAM_RANKS_JOIN_S", "240"))  # one launch's ranks, at most (seconds)
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,15 @@ CASES: dict[str, Case] = {c.name: c for c in (
 def cases_for(world: int) -> tuple[str, ...]:
     """The cases that run on ``world`` ranks."""
     return tuple(name for name, case in CASES.items() if case.fits(world))
+
+
+def static_stages() -> bool:
+    """This PyTorch's ``PipelineStage`` needs its input's shape given (2.5): it infers none, and on gloo its
+    ``Schedule1F1B`` and ``ScheduleInterleaved1F1B`` never finish their first step (2.5.1: a receive waits
+    until the timeout), while GPipe's stages keep the shapes' buffers of their own."""
+    from torch.distributed.pipelining import PipelineStage
+
+    return "input_args" in _required(PipelineStage)
 
 
 # --- the models, their plans and inputs (what an estimate of the same job builds too) ----------------------------
@@ -178,12 +187,21 @@ def interleaved_stages(world: int, rank: int) -> list[int]:
 
 
 # --- a job in one rank ------------------------------------------------------------------------------------------
-def _tp_job(case: Case, world: int, mesh: Any) -> tuple[dict[str, Any], Callable[[], None]]:
+def parallelize(module: nn.Module, mesh: Any, plan: dict[str, Any]) -> nn.Module:
+    """``parallelize_module(module, mesh, plan)``, one module at a time from its parent: PyTorch 2.5's
+    ``parallelize_module`` applies a dotted key's style to the top module's child of the key's last name too."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    for path, style in plan.items():
+        parent, _, leaf = path.rpartition(".")
+        parallelize_module(module.get_submodule(parent) if parent else module, mesh, {leaf: style})
+    return module
+
+
+def _tp_job(case: Case, world: int, mesh: Any) -> tuple[dict[str, Any], Callable[[], None]]:
     torch.manual_seed(0)
     if case.model == "mlp":
-        model = parallelize_module(mlp(), mesh, mlp_plan())
+        model = parallelize(mlp(), mesh, mlp_plan())
         x = torch.randn(TP_BATCH, WIDTH)
 
         def loss() -> torch.Tensor:
@@ -194,9 +212,9 @@ def _tp_job(case: Case, world: int, mesh: Any) -> tuple[dict[str, Any], Callable
         model = llama(world)
         top, layer = llama_plan(case.sequence_parallel)
         if top:
-            parallelize_module(model, mesh, top)
+            parallelize(model, mesh, top)
         for decoder in model.model.layers:
-            parallelize_module(decoder, mesh, layer)
+            parallelize(decoder, mesh, layer)
         ids = torch.randint(0, LLAMA["vocab_size"], (LLAMA_BATCH, LLAMA_SEQ))
         # explicit positions: under sequence parallelism the embeddings hold a shard of the sequence, from which
         # the model would otherwise count them
@@ -223,14 +241,16 @@ def _pp_job(case: Case, world: int, rank: int) -> tuple[dict[str, Any], Callable
     torch.manual_seed(0)
     blocks = [block() for _ in range(PP_BLOCKS)]  # every rank builds them all, with the same values; keeps its own
     cpu = torch.device("cpu")
+    # PyTorch 2.5's stages take their input's shape (2.6 on infer it in the first step)
+    shapes = {"input_args": torch.empty(PP_BATCH // case.micro_batches, WIDTH)} if static_stages() else {}
     stages: Any
     if case.schedule == "interleaved":
         model: nn.Module = nn.ModuleList(blocks[i] for i in interleaved_stages(world, rank))
-        stages = [PipelineStage(blocks[i], i, PP_BLOCKS, cpu) for i in interleaved_stages(world, rank)]
+        stages = [PipelineStage(blocks[i], i, PP_BLOCKS, cpu, **shapes) for i in interleaved_stages(world, rank)]
         schedule: Any = ScheduleInterleaved1F1B(stages, n_microbatches=case.micro_batches, loss_fn=_sum_loss)
     else:
         model = nn.Sequential(*[blocks[i] for i in stage_range(world, rank)])
-        stages = PipelineStage(model, rank, world, cpu)
+        stages = PipelineStage(model, rank, world, cpu, **shapes)
         kind = ScheduleGPipe if case.schedule == "gpipe" else Schedule1F1B
         schedule = kind(stages, n_microbatches=case.micro_batches, loss_fn=_sum_loss)
     del blocks
@@ -255,6 +275,13 @@ def _pp_job(case: Case, world: int, rank: int) -> tuple[dict[str, Any], Callable
     if rank == world - 1:
         ns["target"] = target
     return ns, step
+
+
+def _required(cls: type) -> set[str]:
+    """The arguments ``cls(...)`` cannot do without."""
+    import inspect
+
+    return {n for n, p in inspect.signature(cls).parameters.items() if p.default is inspect.Parameter.empty}
 
 
 def _sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -490,4 +517,5 @@ def off(measured: dict[str, Any], estimated: Any, tolerance: float = 0.01) -> di
 
 
 __all__ = ["CASES", "CATEGORIES", "Case", "block", "cases_for", "errors", "figures_of", "interleaved_stages", "llama",
-           "llama_config_kwargs", "llama_plan", "mlp", "mlp_plan", "off", "run", "run_armed", "stage_range"]
+           "llama_config_kwargs", "llama_plan", "mlp", "mlp_plan", "off", "parallelize", "run", "run_armed",
+           "stage_range", "static_stages"]

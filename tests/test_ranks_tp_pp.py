@@ -16,9 +16,14 @@ from conftest import TORCH_BEFORE_2_6
 F32 = 4
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="needs torch.distributed with gloo")
-# transformers 5 builds no model on a PyTorch older than 2.6 (conftest.skip_module_without_transformers_5)
-SKIPPED = tuple(n for n, c in pr.CASES.items() if c.model == "llama" and TORCH_BEFORE_2_6)
+# transformers 5 builds no model on a PyTorch older than 2.6 (conftest.skip_module_without_transformers_5); the
+# pipelining of PyTorch 2.5 takes static shapes, and its 1F1B schedules hang on gloo (parallel_runs.static_stages)
+STATIC_STAGES = pr.static_stages()
+SKIPPED = tuple(n for n, c in pr.CASES.items()
+                if (c.model == "llama" and TORCH_BEFORE_2_6) or (c.kind == "pp" and STATIC_STAGES))
 _LLAMA = pytest.mark.skipif(TORCH_BEFORE_2_6, reason="transformers 5 needs PyTorch 2.6 or later")
+_PIPELINES = pytest.mark.skipif(STATIC_STAGES, reason="this PyTorch's PipelineStage takes static shapes, and its "
+                                "1F1B schedules do not finish a step on gloo (2.5.1); checked from 2.13 on")
 WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
 # The measurement counts a tensor freed when Python lets go of it; a collective's input is still held by gloo's work
 # until gloo's worker thread is done with it, sometimes after the caller went on: the profiler (in the same run too)
@@ -39,9 +44,15 @@ def runs() -> dict[int, dict[str, list[dict]]]:
 
 
 def _runs(runs: dict, world: int) -> dict[str, list[dict]]:
-    """Every case on ``world`` ranks, once per module (one launch: about 40 s with 2 ranks here)."""
+    """Every case on ``world`` ranks, once per module (one launch: about 40 s with 2 ranks here); a launch that
+    failed fails every test that needs it, without being run again."""
     if world not in runs:
-        runs[world] = pr.run(world, [n for n in pr.cases_for(world) if n not in SKIPPED])
+        try:
+            runs[world] = pr.run(world, [n for n in pr.cases_for(world) if n not in SKIPPED])
+        except Exception as err:
+            runs[world] = err
+    if isinstance(runs[world], Exception):
+        raise runs[world]
     return runs[world]
 
 
@@ -180,6 +191,7 @@ def pipeline_figures(world: int, rank: int, schedule: str) -> dict[str, int]:
             "received": m * out, "outputs": m * out if last else 0}
 
 
+@_PIPELINES
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipeline_stages_per_rank_by_hand(runs, world: int, schedule: str) -> None:
@@ -210,6 +222,7 @@ def test_pipeline_stages_per_rank_by_hand(runs, world: int, schedule: str) -> No
         assert 0 <= late(f) <= 1024 + 4 * pr.PP_BATCH // pr.MICRO_BATCHES * pr.WIDTH * F32, late(f)
 
 
+@_PIPELINES
 def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe(runs) -> None:
     figures = _runs(runs, 2)
     for rank in (0, 1):
@@ -219,6 +232,7 @@ def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe(runs) -> None:
         assert figures["pp-1f1b"][rank]["peak"]["activations"] < figures["pp-gpipe"][rank]["peak"]["activations"]
 
 
+@_PIPELINES
 def test_the_interleaved_schedule_names_each_stage_of_a_rank(runs) -> None:
     """Two stages a rank (rank r holds stages r and r + 2 of four, one block each): each stage's receive buffers and
     micro-batches are named with it."""
@@ -241,6 +255,7 @@ def test_the_interleaved_schedule_names_each_stage_of_a_rank(runs) -> None:
         assert 0 <= late(f) <= 1024 + 4 * out, late(f)
 
 
+@_PIPELINES
 def test_a_ranks_cell_names_what_pipeline_stages_hold() -> None:
     """The ranks measured as ``%%vram --ranks`` measures them (from joining the job to leaving it, the rank's
     function's variables scanned at ``destroy_process_group``)."""

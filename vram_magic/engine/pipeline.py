@@ -204,16 +204,30 @@ def loaded() -> bool:
     return _STAGE_MODULE in sys.modules
 
 
+_kinds: list[Any] = [None, ()]  # [id of the stage module, (stage base, schedule bases)], looked up once
+
+
+def _stage_kinds() -> tuple[Any, ...]:
+    """(the stages' base class, the schedules' base classes), or () before the pipelining package is loaded."""
+    module = sys.modules.get(_STAGE_MODULE)
+    if _kinds[0] != id(module):
+        base = _defining(_public("PipelineStage"), "forward_one_chunk")
+        schedules = sys.modules.get(_SCHEDULES_MODULE)
+        roots = tuple(c for c in (getattr(schedules, "PipelineScheduleSingle", None),
+                                  getattr(schedules, "PipelineScheduleMulti", None)) if isinstance(c, type))
+        _kinds[:] = [id(module), (base, roots) if base is not None else ()]
+    return _kinds[1]
+
+
 def stages_of(obj: Any) -> list[Any]:
     """The pipeline stages ``obj`` is or holds (a stage; a schedule's one stage or several), else ``[]``."""
-    base = _defining(_public("PipelineStage"), "forward_one_chunk")
-    if base is None:
+    kinds = _stage_kinds()
+    if not kinds:
         return []
+    base, roots = kinds
     if isinstance(obj, base):
         return [obj]
-    schedules = sys.modules.get(_SCHEDULES_MODULE)
-    root = getattr(schedules, "PipelineScheduleSingle", None), getattr(schedules, "PipelineScheduleMulti", None)
-    if not any(isinstance(cls, type) and isinstance(obj, cls) for cls in root):
+    if not roots or not isinstance(obj, roots):
         return []
     d = getattr(obj, "__dict__", {})
     found = [d.get("_stage")] + list(d.get("_stages") or ())
