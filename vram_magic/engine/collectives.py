@@ -46,9 +46,10 @@ _MADE_IN_FORWARD = (Phase.FORWARD, Phase.INFERENCE)  # the functional collective
 #: What gloo (the CPU's backend) allocates for a collective out of the dispatcher's sight (PyTorch 2.13's profiler,
 #: benchmarks/parallel_runs.py): an all-gather fills a flat buffer of the output's size on gloo's worker thread and
 #: copies it out (a copy of the input's size made on the calling thread is freed before); a reduce-scatter reduces a
-#: copy of its input, alive until the caller waits. DTensor waits at once, so each is alive beside the output, at
-#: the collective; the worker thread may free its buffer a little later (after the caller went on), which the
-#: profiler sometimes shows as a higher peak.
+#: copy of its input, alive until the caller waits. DTensor waits at once, so each is counted beside the output, at
+#: the collective. gloo's work lets go of these and of the collective's input when its worker thread is done,
+#: sometimes after the caller went on; what Python held is counted freed when Python lets go of it, so a real run
+#: may peak a few such buffers higher than measured, by an amount that varies from run to run (docs/ranks.md).
 GLOO_STAGING = {"all-gather": ("other", "gloo all-gather staging buffer (CPU)"),
                 "reduce-scatter": ("other", "gloo reduce-scatter input copy (CPU)")}
 
