@@ -11,7 +11,7 @@ import torch
 
 import vram_magic
 from vram_magic.engine.allocator import FORWARD, AllocatorRecorder, MemoryEvent, Recording, replay
-from vram_magic.engine.cell import Measurement
+from vram_magic.engine.cell.measurement import Measurement
 from vram_magic.engine.registry import LiveStorages
 
 MiB = 1 << 20

@@ -15,7 +15,7 @@ import torch
 from test_cuda_history import AFTER, BEFORE, CELL, END
 
 import vram_magic
-from vram_magic.engine.cuda import CudaCell
+from vram_magic.engine.cuda.cell import CudaCell
 
 GiB, MiB = 1024**3, 1024**2
 TOTAL = 80 * GiB

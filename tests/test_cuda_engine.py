@@ -16,8 +16,8 @@ import torch
 from conftest import run_ok
 
 import vram_magic
-from vram_magic.engine import cuda
-from vram_magic.engine.cuda import budget_plan
+from vram_magic.engine.cuda import cell as cuda
+from vram_magic.engine.cuda.cell import budget_plan
 from vram_magic.session import Session
 
 GiB, MiB = 1024**3, 1024**2

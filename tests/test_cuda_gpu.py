@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import vram_magic
-from vram_magic.engine import cuda
+from vram_magic.engine.cuda import cell as cuda
 
 pytestmark = pytest.mark.cuda
 

@@ -20,8 +20,8 @@ still alive at the end), a 100 B request (512), then both small and 4 MiB blocks
 
 from __future__ import annotations
 
-from vram_magic.engine.cuda import device_usage, touched
-from vram_magic.engine.cuda_history import cell_window, end_blocks, expected_entries, replay_blocks
+from vram_magic.engine.cuda.cell import device_usage, touched
+from vram_magic.engine.cuda.history import cell_window, end_blocks, expected_entries, replay_blocks
 from vram_magic.snapshot import replay
 
 KiB, MiB = 1024, 1024**2

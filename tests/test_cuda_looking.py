@@ -15,7 +15,7 @@ from conftest import run_ok
 from torch import nn
 
 import vram_magic
-from vram_magic.engine import cuda
+from vram_magic.engine.cuda import cell as cuda
 from vram_magic.watch import watch_device
 
 

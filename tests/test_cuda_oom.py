@@ -9,8 +9,8 @@ with two decimals). Trace entries follow ``torch/csrc/cuda/memory_snapshot.cpp``
 from __future__ import annotations
 
 from vram_magic.engine.caching_allocator import allocation_size, round_size
-from vram_magic.engine.cuda import oom_requested
-from vram_magic.engine.cuda_oom import format_size, oom_from_trace, parse_oom_message, requested_bytes
+from vram_magic.engine.cuda.cell import oom_requested
+from vram_magic.engine.cuda.oom import format_size, oom_from_trace, parse_oom_message, requested_bytes
 from vram_magic.units import format_bytes
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3

@@ -254,7 +254,7 @@ def test_advice_groups_graphs_held_by_one_container(shell):
 
 
 def test_requested_size_read_from_a_cuda_oom_message():
-    from vram_magic.engine.cuda import requested_bytes
+    from vram_magic.engine.cuda.cell import requested_bytes
 
     msg = ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.11 GiB of which "
            "3.94 MiB is free.")

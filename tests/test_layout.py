@@ -25,10 +25,7 @@ KNOWN_LONG_CLASSES = {
     "vram_magic.engine.attribution._Walker",
     "vram_magic.engine.tracker.Tracker",
 }
-KNOWN_PREFIX_FOLDERS = {
-    "vram_magic/engine/cell*",
-    "vram_magic/engine/cuda*",
-}
+KNOWN_PREFIX_FOLDERS: set[str] = set()
 KNOWN_REEXPORTS: set[str] = set()
 # circles when a result's render methods count, their renderers' type-only imports aside
 KNOWN_RENDER_CIRCLES = {

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import vram_magic
-from vram_magic.engine.cell import Measurement
+from vram_magic.engine.cell.measurement import Measurement
 from vram_magic.engine.registry import LiveStorages
 
 TARGET = 0.02

@@ -16,7 +16,7 @@ from .units import format_bytes, parse_size
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .engine.cell import Measurement
+    from .engine.cell.measurement import Measurement
     from .estimator import GPU, CudaModel, Estimate
 
 __version__ = "0.1.0"
@@ -40,10 +40,10 @@ __all__ = [
 
 
 def measure(device: Any = None, **kwargs: Any) -> Measurement:
-    """``with vram_magic.measure() as m: ...`` — see :func:`vram_magic.engine.cell.measure`."""
+    """``with vram_magic.measure() as m: ...`` — see :func:`vram_magic.engine.cell.measurement.measure`."""
     import sys
 
-    from .engine.cell import measure as _measure
+    from .engine.cell.measurement import measure as _measure
     from .engine.namespace import FrameNamespace
 
     if kwargs.get("namespace") is None:

@@ -146,9 +146,9 @@ def session_scale(history: Any, device: str) -> int | None:
 
 def cell_view(m: Any, history: Any, *, delay: float = 1.0, interval: float = 0.25,
               publish: Publisher = ipython_publisher) -> LiveView:
-    """The live view (not started) of the measurement ``m`` (a running :class:`~vram_magic.engine.cell.Measurement`),
-    its bars on the scale of the session's ``history``."""
-    from .engine import cuda
+    """The live view (not started) of the measurement ``m`` (a running
+    :class:`~vram_magic.engine.cell.measurement.Measurement`), its bars on the scale of the session's ``history``."""
+    from .engine.cuda import cell as cuda
     from .render.html import live_html
     from .render.text import live_text
 

@@ -19,7 +19,7 @@ from .units import parse_size
 if TYPE_CHECKING:
     import pandas as pd
 
-    from .engine.cell import Measurement
+    from .engine.cell.measurement import Measurement
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Session:
     def start(self, device: Any = None, *, budget: int | str | None = None, cell: int | None = None,
               source: str = "", backend: str = "auto") -> Measurement:
         """Begin measuring; ``finish`` ends it. Refuses to nest."""
-        from .engine.cell import Measurement
+        from .engine.cell.measurement import Measurement
 
         if self.active is not None:
             raise RuntimeError("a measurement is already running in this session (nested %%vram is not supported; "
@@ -116,7 +116,7 @@ class Session:
 
     # --- reading ---------------------------------------------------------------------------------
     def now(self, device: Any = None) -> MemoryNow:
-        from .engine import cuda
+        from .engine.cuda import cell as cuda
         from .engine.namespace import snapshot
 
         dev = cuda.resolve_device(device)  # never initialises CUDA: looking must not create a context

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .engine.cuda import has_context, resolve_device
+from .engine.cuda.cell import has_context, resolve_device
 from .live import LiveView, Publisher, ipython_publisher
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from ..breakdown import Breakdown
 from ..device_stats import DeviceStats
-from . import cuda
 from .attribution import scan_namespace
+from .cuda import cell as cuda
 from .registry import LiveStorages
 
 

@@ -80,7 +80,7 @@ class FiguresWriter:
             return []
         import torch
 
-        from ..engine import cuda
+        from ..engine.cuda import cell as cuda
 
         if not cuda.initialized():
             return []

@@ -26,7 +26,7 @@ LINE_HELP = (
 
 def devices() -> list[str]:
     """The CPU and every visible GPU (never initialises CUDA: NVML counts them)."""
-    from ..engine.cuda import device_count
+    from ..engine.cuda.cell import device_count
 
     return ["cpu"] + [f"cuda:{i}" for i in range(device_count())]
 

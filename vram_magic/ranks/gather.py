@@ -28,7 +28,7 @@ DEFAULT_TIMEOUT = 300.0
 
 
 def _as_rank_report(report: Any, rank: int, world: int, backend: str) -> RankReport:
-    from ..engine.cell import Measurement
+    from ..engine.cell.measurement import Measurement
 
     if isinstance(report, RankReport):
         return report

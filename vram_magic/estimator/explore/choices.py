@@ -11,6 +11,8 @@ import torch
 
 from ..options import Options, optimizer_name, short_dtype
 
+_BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -62,7 +64,7 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
         changes.append(f"micro-batch {c.micro} × {c.accumulate} accumulated")
         code.append(f"for micro in batch.split({c.micro}):  # {c.accumulate} micro-batches a step\n"
                     f"    (model(micro).loss / {c.accumulate}).backward()\noptimizer.step(); optimizer.zero_grad()")
-        if built is not None and any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in built.modules()):
+        if built is not None and any(isinstance(m, _BATCH_NORMS) for m in built.modules()):
             trade.append(f"BatchNorm's statistics come from micro-batches of {c.micro} samples, not "
                          f"{c.per_rank}: noisier, and different from a step of the whole batch")
     if c.checkpointing:

@@ -24,12 +24,10 @@ from typing import Any
 
 import torch
 
-from ..device_stats import DeviceStats
-from ..units import format_bytes
-from .alloc_conf import settings_from_env
-from .cuda_oom import parse_oom_message, requested_bytes
-from .cuda_usage import DeviceUsage, device_usage, touched
-from .torch_private import (
+from ...device_stats import DeviceStats
+from ...units import format_bytes
+from ..alloc_conf import settings_from_env
+from ..torch_private import (
     cuda_has_primary_context,
     cuda_history_enabled,
     default_device_context,
@@ -37,6 +35,8 @@ from .torch_private import (
     record_memory_history,
     set_record_memory_history,
 )
+from .oom import parse_oom_message, requested_bytes
+from .usage import DeviceUsage, device_usage, touched
 
 #: entries of the history the engine records itself (about three per tensor: alloc, free requested, completed)
 HISTORY_ENTRIES = 300_000

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .caching_allocator import segment_request_range
+from ..caching_allocator import segment_request_range
 
 _UNITS = {"bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 _SIZE = r"([0-9]+(?:\.[0-9]+)?) (bytes|KiB|MiB|GiB|TiB)"
@@ -68,7 +68,7 @@ class OomRequest:
         return self.high if self.segment >= 10 * 1024**2 and self.segment != 20 * 1024**2 else None
 
     def describe(self) -> str:
-        from ..units import format_bytes
+        from ...units import format_bytes
 
         if self.segment is None:
             return f"the request was {format_bytes(self.high)}"

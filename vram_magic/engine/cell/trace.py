@@ -7,14 +7,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..trace import Block, Trace
-from .allocator import Replayed
-from .attribution import Scan
-from .categories import KV_SAME_LINE, PHASE_CATEGORY, UNATTRIBUTED, UNSCOPED, kv_cache_sites
-from .counted import Counted
-from .frames import SiteNamer
-from .registry import LiveStorages
-from .tracker import FORWARD, PHASE_NAMES, Tracker
+from ...trace import Block, Trace
+from ..allocator import Replayed
+from ..attribution import Scan
+from ..categories import KV_SAME_LINE, PHASE_CATEGORY, UNATTRIBUTED, UNSCOPED, kv_cache_sites
+from ..counted import Counted
+from ..frames import SiteNamer
+from ..registry import LiveStorages
+from ..tracker import FORWARD, PHASE_NAMES, Tracker
 
 
 def alive_tracked(counted: Counted, tracker: Tracker) -> dict[int, int]:

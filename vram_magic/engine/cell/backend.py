@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .allocator import profiler_busy
-from .compiled import compiled_reason
-from .torch_private import current_mode_stack
-from .tracker import Tracker
+from ..allocator import profiler_busy
+from ..compiled import compiled_reason
+from ..torch_private import current_mode_stack
+from ..tracker import Tracker
 
 BACKENDS = ("auto", "tracker", "allocator")
 

@@ -23,23 +23,23 @@ from typing import Any
 
 import torch
 
-from ..breakdown import Breakdown
-from ..live_status import LiveStatus
-from ..report import CellReport
-from ..units import format_bytes, parse_size
-from . import cuda
-from .allocator import AllocatorRecorder, Replayed, replay
-from .attribution import Scan, scan_namespace
-from .backend_choice import BACKENDS, check_backend, choose_backend
-from .categories import LIVE_PHASE_CATEGORY, UNATTRIBUTED
-from .cell_report import BlockEnd, BlockStart, build_report
-from .compiled import eager_while_tracked
-from .counted import Counted
-from .namespace import FrameNamespace
-from .oom import release_traceback
-from .registry import LiveStorages
-from .scratch import ScratchRecorder
-from .tracker import PHASE_NAMES, Tracker
+from ...breakdown import Breakdown
+from ...live_status import LiveStatus
+from ...report import CellReport
+from ...units import format_bytes, parse_size
+from ..allocator import AllocatorRecorder, Replayed, replay
+from ..attribution import Scan, scan_namespace
+from ..categories import LIVE_PHASE_CATEGORY, UNATTRIBUTED
+from ..compiled import eager_while_tracked
+from ..counted import Counted
+from ..cuda import cell as cuda
+from ..namespace import FrameNamespace
+from ..oom import release_traceback
+from ..registry import LiveStorages
+from ..scratch import ScratchRecorder
+from ..tracker import PHASE_NAMES, Tracker
+from .backend import BACKENDS, check_backend, choose_backend
+from .report import BlockEnd, BlockStart, build_report
 
 _shared_registry = LiveStorages()
 

@@ -14,20 +14,20 @@ from typing import Any, Protocol
 
 import torch
 
-from ..breakdown import Breakdown
-from ..report import CellReport, OomInfo
-from ..trace import Trace
-from . import cuda
-from .allocator import Replayed
-from .attribution import Scan
-from .categories import UNATTRIBUTED, holder_name
-from .cell_trace import alive_replayed, alive_tracked, block_trace, live_rows
-from .counted import Counted
-from .frames import SiteNamer
-from .namespace import add_other
-from .registry import LiveStorages
-from .scratch import add_scratch, sizes_of, spikes, window_events
-from .tracker import PHASE_NAMES, Tracker
+from ...breakdown import Breakdown
+from ...report import CellReport, OomInfo
+from ...trace import Trace
+from ..allocator import Replayed
+from ..attribution import Scan
+from ..categories import UNATTRIBUTED, holder_name
+from ..counted import Counted
+from ..cuda import cell as cuda
+from ..frames import SiteNamer
+from ..namespace import add_other
+from ..registry import LiveStorages
+from ..scratch import add_scratch, sizes_of, spikes, window_events
+from ..tracker import PHASE_NAMES, Tracker
+from .trace import alive_replayed, alive_tracked, block_trace, live_rows
 
 
 class BlockSettings(Protocol):
@@ -181,7 +181,7 @@ def build_report(block: BlockSettings, start: BlockStart, end: BlockEnd) -> Cell
     before, after, peak = reconcile(end.cuda_cell, block.device, Breakdown.from_rows(before_rows), after, peak, notes)
     base = block.previous.after if block.previous is not None else before
     oom = oom_info(block, source, trace, oom_index, end, notes) if is_oom else None
-    from ..advice import advise
+    from ...advice import advise
 
     report = CellReport(
         device=block.device,
