@@ -2,6 +2,11 @@
 AdamW, two training steps, on fake tensors. Targets: 7B in ≤ 5 s and < 1 GiB RSS; 70B in ≤ 20 s. Run::
 
     .venv/bin/python benchmarks/estimate_speed.py [--sizes 7B,70B] [--seq 2048]
+    .venv/bin/python benchmarks/estimate_speed.py --replays   # the trace cache: a replay against a trace
+
+``--replays``: GPT-2 small (124 M parameters, batch 8 × 1,024), traced once, then estimated again with options that
+are applied after the trace (ZeRO over 8 ranks, optimizer offload, both): each such what-if row or search trial is a
+replay of the kept trace, not a new fake run. Target: ≤ 5 % of the trace's time (CPU time, one thread).
 
 Each size runs in a fresh process so its maximum RSS is its own (the process includes ``import torch``),
 "cold" is a process's first estimate, which includes PyTorch importing ``torch._dynamo`` for its fake
@@ -46,12 +51,52 @@ def one(size: str, seq: int) -> dict[str, float]:
             "peak": est.peak.total, "needed": est.needed, "fits": bool(est.fits), **{k: est.peak[k] for k in est.peak}}
 
 
+REPLAY_TARGET = 0.05
+
+
+def replays() -> bool:
+    """The trace cache's figure: what a replay costs against the trace it replays."""
+    import time
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import vram_magic
+
+    torch.set_num_threads(1)
+    ok = True
+    print(f"GPT-2 small, batch 8 × 1024, AdamW; CPU time, one thread; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'device':<8}{'trace':>9}{'events':>8}   replays (options applied after the trace)")
+    for device in ("cuda", "cpu"):
+        t = time.process_time()
+        est = vram_magic.estimate(lambda: GPT2LMHeadModel(GPT2Config()), lambda: torch.randint(0, 50257, (8, 1024)),
+                                  device=device, gpu="A100-80GB" if device == "cuda" else None)
+        traced = time.process_time() - t
+        workload = est.rerun
+        line = []
+        for change in ({"zero": 3, "world": 8}, {"offload": True}, {"zero": 2, "world": 4, "offload": True}):
+            before = workload.traced
+            t = time.process_time()
+            workload.evaluate(est.options.with_(**change))
+            replay = time.process_time() - t
+            ok &= workload.traced == before and replay <= REPLAY_TARGET * traced
+            line.append(f"{', '.join(f'{k}={v}' for k, v in change.items())}: {replay * 1e3:.0f} ms "
+                        f"({100 * replay / traced:.1f} %)")
+        events = len(workload.trace(est.options).events)
+        print(f"{device:<8}{traced:>7.2f} s{events:>8}   " + "; ".join(line))
+    print(f"target ≤ {REPLAY_TARGET:.0%} of a trace: {'met' if ok else 'MISSED'}")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="7B,70B")
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--replays", action="store_true", help="the trace cache: replays against a trace")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.replays:
+        return 0 if replays() else 1
     if args.child:
         print(json.dumps(one(args.child, args.seq)))
         return 0
