@@ -191,3 +191,23 @@ def test_command_line_plan(capsys, tmp_path, monkeypatch):
     assert math.isclose(sum(out["rows"][0]["time"].values()), out["rows"][0]["step_time"], rel_tol=1e-9)
     assert main(["plan", "tiny_plan_model:build", "--input", "torch.randn(8, 64)", "--gpu", "T4", "--gpus",
                  "3"]) == 2
+
+
+@pytest.mark.slow
+def test_a_generate_plan_ranks_weights_caches_and_the_largest_batch_by_tokens_per_second():
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)).eval()
+    ids = torch.randint(0, 1000, (2, 32))
+    plan = vram_magic.plan(model, ids, generate=8, device="cpu", budget="48MiB", top=6)
+    assert plan.unit == "tokens/s" and plan.rows and all(r.fits for r in plan.rows)
+    speeds = [r.throughput for r in plan.rows]
+    assert speeds == sorted(speeds, reverse=True)
+    for row in plan.rows[:3]:  # each row is the estimate its options give, at a batch that fits
+        est = vram_magic.estimate(model, ids, **row.options)
+        assert est.needed == row.needed <= 48 * MiB and est.generation.batch == row.micro_batch
+        assert row.throughput == pytest.approx(row.micro_batch * 8 / row.step_time)
+    assert plan.best.micro_batch > 2  # the inputs' batch of 2 leaves room: the batch is where throughput comes from
+    assert any("bf16 weights" in r.numerics for r in plan.rows)

@@ -134,8 +134,8 @@ def estimate(
 
 
 def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batch: int | None = None,
-         device: str = "cuda", allow: Any = (), interconnect: Any = None, top: int | None = 10,
-         optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
+         device: str = "cuda", allow: Any = (), interconnect: Any = None, generate: int | None = None,
+         top: int | None = 10, optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
          budget: Any = None, name: str | None = None, progress: Callable[[str], None] | None = None) -> Any:
     """The fastest ways to make a training step of ``model`` on ``inputs`` fit ``gpus`` GPUs like ``gpu``, ranked by
     predicted step time (a :class:`~vram_magic.estimator.plans.Plan`).
@@ -149,6 +149,10 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
     ``device="cpu"`` plans a CPU run, timed with this machine's measured profile. Each row's ``options`` are
     :func:`estimate`'s keyword arguments that give its memory; ``plan.calibrate(report)`` scales every time by a
     measured step.
+
+    ``generate=N``: plan ``model.generate(inputs, max_new_tokens=N)`` instead: the weights' dtype (int8 and nf4 too
+    with ``allow="quantize"``), the cache (default, static, int4-quantized, offloaded on CUDA) and the largest batch
+    that fits, ranked by tokens/s.
     """
     # the planner (and torch) are imported on the first call; its plan() has this signature and docstring
     options = dict(locals())

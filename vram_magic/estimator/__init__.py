@@ -163,8 +163,8 @@ def follow_ups(est: Estimate, *, what_if: bool = False, max_batch: bool = False,
 
 
 def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batch: int | None = None,
-         device: str = "cuda", allow: Any = (), interconnect: Any = None, top: int | None = 10,
-         optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
+         device: str = "cuda", allow: Any = (), interconnect: Any = None, generate: int | None = None,
+         top: int | None = 10, optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
          budget: Any = None, name: str | None = None, progress: Callable[[str], None] | None = None) -> Any:
     """The fastest ways to make a training step of ``model`` on ``inputs`` fit ``gpus`` GPUs like ``gpu``, ranked by
     predicted step time (a :class:`~vram_magic.estimator.plans.Plan`).
@@ -178,12 +178,16 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
     ``device="cpu"`` plans a CPU run, timed with this machine's measured profile. Each row's ``options`` are
     :func:`estimate`'s keyword arguments that give its memory; ``plan.calibrate(report)`` scales every time by a
     measured step.
+
+    ``generate=N``: plan ``model.generate(inputs, max_new_tokens=N)`` instead: the weights' dtype (int8 and nf4 too
+    with ``allow="quantize"``), the cache (default, static, int4-quantized, offloaded on CUDA) and the largest batch
+    that fits, ranked by tokens/s.
     """
     from .explore.plan import plan as run
 
     return run(model, inputs, gpu=gpu, gpus=gpus, global_batch=global_batch, device=device, allow=allow,
-               interconnect=interconnect, top=top, optimizer=optimizer, loss_fn=loss_fn, dtype=dtype, budget=budget,
-               name=name, progress=progress)
+               interconnect=interconnect, generate=generate, top=top, optimizer=optimizer, loss_fn=loss_fn,
+               dtype=dtype, budget=budget, name=name, progress=progress)
 
 
 def find_max_batch(est: Estimate, *, dim: int = 0, progress: Callable[[str], None] | None = None) -> int:

@@ -214,6 +214,8 @@ PLAN_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [o for o in OPTIONS
                     "(comma-separated): they change what or how the model trains"}),
     (("--interconnect",), {"metavar": "LINK", "help": "how the GPUs talk: nvlink, pcie, infiniband-400g, "
                            "infiniband-200g, ethernet-100g, ethernet-25g (default: the GPU's own link in one host)"}),
+    (("--generate",), {"type": int, "metavar": "N", "help": "plan model.generate(input_ids, max_new_tokens=N): "
+                       "weights, cache and the largest batch, by tokens/s"}),
     (("--top",), {"type": int, "default": 10, "metavar": "N", "help": "rows to show"}),
 ]
 
@@ -233,7 +235,8 @@ def build_plan(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]
     if args.batch is not None and args.input:
         raise ValueError("--batch resizes the inputs of an estimate; a plan takes --global-batch")
     kwargs: dict[str, Any] = dict(gpu=args.gpu, gpus=args.gpus, global_batch=args.global_batch, device=args.device,
-                                  allow=args.allow or (), interconnect=args.interconnect, top=args.top,
+                                  allow=args.allow or (), interconnect=args.interconnect, generate=args.generate,
+                                  top=args.top,
                                   optimizer=optimizer, dtype=args.dtype, budget=args.budget)
     if args.loss:
         kwargs["loss_fn"] = evaluate(args.loss, ns, "--loss")

@@ -164,7 +164,8 @@ def choices(base: Options, per_rank: int, global_batch: int, gpus: int, allow: f
 
 
 def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batch: int | None = None,
-         device: str = "cuda", allow: Any = (), interconnect: Any = None, top: int | None = 10,
+         device: str = "cuda", allow: Any = (), interconnect: Any = None, generate: int | None = None,
+         top: int | None = 10,
          optimizer: Any = "adamw", loss_fn: Any = None, dtype: Any = None, budget: Any = None,
          name: str | None = None, progress: Callable[[str], None] | None = None) -> Plan:
     """:func:`vram_magic.plan`; see its documentation."""
@@ -179,10 +180,17 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
     top = 10 if top is None else top
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be a whole number ≥ 1, not {top!r}")
-    base = make_options(optimizer=optimizer, dtype=dtype, device=device)
     target = make_target(gpu, budget)
     if target.capacity is None:
         raise ValueError("plan() needs a capacity to fit: give gpu= or budget=")
+    if generate is not None:
+        if gpus != 1 or global_batch is not None:
+            raise ValueError("generate= plans one GPU's generate() call: drop gpus= and global_batch=")
+        from .plan_generate import plan_generate
+
+        return plan_generate(model, inputs, new_tokens=generate, target=target, device=device, dtype=dtype,
+                             allow=allowed, top=top, name=name, progress=progress)
+    base = make_options(optimizer=optimizer, dtype=dtype, device=device)
     from ..tracing.fake import check_inputs
 
     check_inputs(inputs)

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..options import Options
 from ..target.gpus import GPU
+from ..tracing.oplog import OpLog
 from ..tracing.traced import Trace
 from .cost import GPUS_PER_HOST, OpTimes, StepTime, data_parallel, offload, time_ops
 from .rates import Rates, cpu_rates, gpu_rates
@@ -109,4 +110,43 @@ def step_time(ops: OpTimes, opts: Options, trace: Trace, net: Network) -> StepTi
                     optimizer=optimizer, transfers=transfers, collectives=collectives)
 
 
-__all__ = ["INTERCONNECTS", "NETWORKS", "Network", "micro_ops", "network_for", "rates_for", "step_time"]
+def _rows(log: OpLog, start: int, end: int) -> OpLog:
+    """The rows ``start`` … ``end - 1`` of ``log``, as an op log of their own."""
+    return OpLog(log.stage[start:end], log.kind[start:end], log.dtype[start:end], log.recompute[start:end],
+                 log.flops[start:end], log.bytes[start:end])
+
+
+def _seconds(t: OpTimes) -> float:
+    return t.compute + t.memory + t.recompute + t.optimizer
+
+
+def generate_time(trace: Trace, rates: Rates, new_tokens: int) -> StepTime:
+    """A ``generate()`` call of ``new_tokens`` tokens from its fake run: the prefill's ops (everything before the
+    first token is chosen), then the ``new_tokens - 1`` decoding steps, each step's ops timed where it was traced
+    and the steps between (jumped over) taken as growing linearly from the first traced to the last (their cache
+    grows a token a step). Matmuls, attention and convolutions are *compute*, the rest *memory* (decoding is mostly
+    that: each step reads the weights and the cache)."""
+    marks, log = trace.op_marks, trace.ops
+    first = marks.get("step0", len(log))
+    prefill = time_ops(_rows(log, 0, first), rates)
+    stops = sorted(v for k, v in marks.items() if k.startswith(("step", "jump_start", "loop_end")))
+    traced: list[tuple[int, OpTimes]] = []
+    for key, at in marks.items():
+        if key.startswith("step") and key[4:].isdigit() and int(key[4:]) > 0:
+            end = min((v for v in stops if v > at), default=len(log))
+            traced.append((int(key[4:]), time_ops(_rows(log, at, end), rates)))
+    traced.sort()
+    compute, memory = prefill.compute + prefill.recompute, prefill.memory + prefill.optimizer
+    steps = max(new_tokens - 1, 0)
+    if traced and steps:
+        (s0, t0), (s1, t1) = traced[0], traced[-1]
+        for s in range(1, steps + 1):
+            w = (s - s0) / (s1 - s0) if s1 != s0 else 0.0
+            w = min(max(w, 0.0), 1.0)
+            compute += t0.compute + (t1.compute - t0.compute) * w
+            memory += (_seconds(t0) - t0.compute) + ((_seconds(t1) - t1.compute) - (_seconds(t0) - t0.compute)) * w
+    return StepTime(compute=compute, memory=memory)
+
+
+__all__ = ["INTERCONNECTS", "NETWORKS", "Network", "generate_time", "micro_ops", "network_for", "rates_for",
+           "step_time"]

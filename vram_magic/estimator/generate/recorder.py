@@ -21,6 +21,7 @@ class LoopRecorder:
     def __init__(self, tracer: Any, registry: LiveStorages, spec: GenerateSpec) -> None:
         self.tracer, self.registry, self.spec = tracer, registry, spec
         self.marks: dict[str, int] = {}
+        self.op_rows: dict[str, int] = {}  # event -> the op log's row where it happened (for the time model)
         self.slot: dict[int, str] = {}  # serial -> slot path
         self.token_bytes: dict[int, int] = {}  # serial -> bytes per token of a 4-D cache tensor
         self.special: dict[int, tuple[str, str]] = {}
@@ -58,6 +59,7 @@ class LoopRecorder:
 
     def event(self, what: str, obj: Any) -> None:
         n = len(self.tracer.events)
+        self.op_rows.setdefault(f"step{obj}" if what == "step" else what, len(self.tracer.ops))
         self.flops.append((what, sum(self.tracer.flops)))
         if what in ("prefill_start", "prefill_end", "jump_start", "jump_end", "loop_end"):
             self.marks.setdefault(what, n)

@@ -326,7 +326,8 @@ def _step_trace(tracer: Any, owner: dict[int, tuple[str, str]], learnt: LoopReco
         flops={"forward": 0, "backward": 0, "optimizer": 0}, convs=tracer.convs, copies=tracer.copies,
         rnns=tracer.rnns, gemms=tracer.gemms, host_scalars=set(), problem=problem, uses_matmul=tracer.matmul,
         batch=batch, seq=seq, micro_batch=batch, param_count=count_parameters(model), param_bytes=param_bytes,
-        wall=time.perf_counter() - t0, notes=notes, answered=tracer.answered, ops=tracer.ops)
+        wall=time.perf_counter() - t0, notes=notes, answered=tracer.answered, ops=tracer.ops,
+        op_marks=dict(learnt.op_rows))
     return trace
 
 

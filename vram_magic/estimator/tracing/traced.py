@@ -45,3 +45,4 @@ class Trace:
     ops: OpLog = field(default_factory=OpLog)  # every op, for the time model (oplog.py)
     ops_start: int = 0  # the op log's row where the last step starts (the one the peak and the time are of)
     micro_steps: int = 1  # micro-batches the last step ran (two stand for any gradient accumulation)
+    op_marks: dict[str, int] = field(default_factory=dict)  # generate(): event -> the op log's row (prefill, steps)
