@@ -18,7 +18,7 @@ class Request:
     def __init__(self, model: Any, inputs: Any, loss_fn: Callable[[Any], Any] | None = None,
                  name: str | None = None) -> None:
         self.source = ModelSource(model)
-        self.name = name or self.source.name  # what the report calls the model
+        self.given_name = name
         if callable(inputs) and not isinstance(inputs, torch.Tensor):
             self.inputs_fn: Callable[[], Any] | None = inputs
             self.specs: Any = None
@@ -28,6 +28,12 @@ class Request:
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be a callable output -> scalar tensor, not {type(loss_fn).__name__}")
         self.loss_fn = loss_fn
+
+    @property
+    def name(self) -> str:
+        """What the report calls the model: the name given, else the model's class (a builder's once it has built
+        one)."""
+        return self.given_name or self.source.name
 
     def input_specs(self, mode: FakeTensorMode) -> Any:
         if self.specs is None:
