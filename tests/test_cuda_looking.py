@@ -16,7 +16,7 @@ from torch import nn
 
 import vram_magic
 from vram_magic.engine.cuda import cell as cuda
-from vram_magic.watch import watch_device
+from vram_magic.monitor import watch_device
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 
 from vram_magic.render.monitor import watch_html, watch_text
 from vram_magic.session import Session
-from vram_magic.watch import (
+from vram_magic.monitor import (
     WATCH_USAGE,
     Sample,
     Watch,
@@ -85,7 +85,7 @@ def test_device_wide_use_on_a_device_with_a_context() -> None:
 
 
 def test_choosing_the_device_does_not_initialise_cuda() -> None:
-    code = ("import torch\nfrom vram_magic.watch import watch_device\nprint(watch_device(None), "
+    code = ("import torch\nfrom vram_magic.monitor import watch_device\nprint(watch_device(None), "
             "torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[1] == "False"
@@ -171,7 +171,7 @@ def _stdout(shell, source: str) -> str:
 def test_real_gpu_reading_after_the_user_initialised_cuda() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    code = ("import torch\nfrom vram_magic.watch import cuda_reading\n"
+    code = ("import torch\nfrom vram_magic.monitor import cuda_reading\n"
             "before = cuda_reading(0, torch.cuda)\n"
             "assert not torch.cuda.is_initialized(), 'the watch initialised CUDA'\n"
             "x = torch.ones(2**28, device='cuda:0')\ns = cuda_reading(0, torch.cuda)\n"

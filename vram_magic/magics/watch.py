@@ -1,10 +1,10 @@
-"""``%vram watch [DEV] [--interval S]`` and ``%vram watch off``: the standing monitor (``vram_magic.watch``),
+"""``%vram watch [DEV] [--interval S]`` and ``%vram watch off``: the standing monitor (``vram_magic.monitor``),
 kept in the session between cells."""
 
 from __future__ import annotations
 
 from ..session import Session
-from ..watch import parse_watch, start_watch, watch_device
+from ..monitor import parse_watch, start_watch, watch_device
 from .checks import Host
 from .display import has_frontend
 
