@@ -25,6 +25,21 @@ _LLAMA = pytest.mark.skipif(TORCH_BEFORE_2_6, reason="transformers 5 needs PyTor
 _PIPELINES = pytest.mark.skipif(STATIC_STAGES, reason="this PyTorch's PipelineStage takes static shapes, and its "
                                 "1F1B schedules do not finish a step on gloo (2.5.1); checked from 2.13 on")
 WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]
+
+
+def _pipelining_of_this_torch() -> tuple[bool, bool]:
+    """(a stage makes a micro-batch's receive buffer just before the receive and lets go of it once used, rather
+    than keeping one per micro-batch from the first step on; a stage lets go of an output once its send is done,
+    backward starting from the output's autograd edge): both new in PyTorch 2.15, neither in 2.13."""
+    try:
+        from torch.distributed.pipelining import PipelineStage, stage
+    except ImportError:
+        return False, False
+    return hasattr(getattr(stage, "_RecvInfo", None), "allocate_buffer"), \
+        hasattr(PipelineStage, "release_fwd_send_outputs")
+
+
+RECEIVE_PER_MICRO_BATCH, RELEASES_SENT_OUTPUTS = _pipelining_of_this_torch()
 # The measurement counts a tensor freed when Python lets go of it; a collective's input is still held by gloo's work
 # until gloo's worker thread is done with it, sometimes after the caller went on: the profiler (in the same run too)
 # then sees a higher peak, by an amount that varies from run to run. The most seen here, as a share of the measured
@@ -178,17 +193,20 @@ def pipeline_figures(world: int, rank: int, schedule: str) -> dict[str, int]:
     # sends); the first stage's input is a view of the batch, a later stage's its receive buffer; the last
     # stage's output is kept for the merged output instead
     per_mb = k * (2 * mb * pr.HIDDEN * F32 + out) - (out if last else 0)
-    if schedule == "gpipe":
-        in_flight = m * per_mb  # every forward before any backward
-    else:
-        w = min(m, world - rank)  # 1F1B's warm-up forwards: p - i on stage i
-        in_flight = w * per_mb
-        if w >= 2 and 2 * w - 2 < m:
-            # the send of micro-batch w - 2, fired in the warm-up, keeps its output until the 1B1F phase ends: a
-            # forward runs after that micro-batch's backward
+    w = m if schedule == "gpipe" else min(m, world - rank)  # 1F1B's warm-up forwards: p - i on stage i
+    in_flight = w * per_mb  # GPipe: every forward before any backward
+    if schedule != "gpipe" and not last:
+        if RELEASES_SENT_OUTPUTS:  # 2.15: the outputs of the warm-up's first w - 2 sends are let go of already
+            in_flight -= max(w - 2, 0) * out
+        elif w >= 2 and 2 * w - 2 < m:
+            # 2.13: the send of micro-batch w - 2, fired in the warm-up, keeps its output until the 1B1F phase ends
+            # (its finished work is held), and a forward runs after that micro-batch's backward
             in_flight += out
+    # the activations' receive buffers alive at once when they are made per receive (2.15): one per micro-batch in
+    # flight; on the last stage every micro-batch's, which its loss's graph holds until the step ends
+    received_at_once = (m if last else w) * out
     return {"parameters": k * block, "optimizer_state": 2 * k * block + 4 * k * 4, "in_flight": in_flight,
-            "received": m * out, "outputs": m * out if last else 0}
+            "received": m * out, "received_at_once": received_at_once, "outputs": m * out if last else 0}
 
 
 @_PIPELINES
@@ -204,12 +222,21 @@ def test_pipeline_stages_per_rank_by_hand(runs, world: int, schedule: str) -> No
         assert f["after"]["parameters"] == want["parameters"] and f["after"]["optimizer_state"] == \
             want["optimizer_state"]
         received = {k: v for k, v in after["other"].items() if "receive buffers" in k}
-        expected = {}
-        if rank > 0:  # the activations of every micro-batch, from the stage before
-            expected[f"pipeline stage {rank}: receive buffers (activations)"] = want["received"]
-        if rank < world - 1:  # their gradients, from the stage after
-            expected[f"pipeline stage {rank}: receive buffers (gradients)"] = want["received"]
-        assert received == expected
+        activations = f"pipeline stage {rank}: receive buffers (activations)"  # from the stage before
+        gradients = f"pipeline stage {rank}: receive buffers (gradients)"  # from the stage after
+        if RECEIVE_PER_MICRO_BATCH:  # made before each receive, let go of once used: none left after the step
+            assert received == {}
+            if rank > 0:
+                assert high["other"][activations] == want["received_at_once"]
+            if rank < world - 1:  # the next micro-batch's made before the last one's is let go of, at most
+                assert high["other"][gradients] in (out_bytes(), 2 * out_bytes())
+        else:  # one per micro-batch, kept from the first step on
+            expected = {}
+            if rank > 0:
+                expected[activations] = want["received"]
+            if rank < world - 1:
+                expected[gradients] = want["received"]
+            assert received == expected
         assert high["activations"][f"pipeline stage {rank}: micro-batch activations"] == want["in_flight"]
         assert f"pipeline stage {rank}: activation gradients (backward)" in high["activations"]
         assert f"pipeline stage {rank}: shape inference (first step)" in high["other"]  # the first step only
@@ -223,6 +250,11 @@ def test_pipeline_stages_per_rank_by_hand(runs, world: int, schedule: str) -> No
 
 
 @_PIPELINES
+def out_bytes() -> int:
+    """One micro-batch's activation between blocks and stages (64 × 256 fp32)."""
+    return pr.PP_BATCH // pr.MICRO_BATCHES * pr.WIDTH * F32
+
+
 def test_one_f_one_b_holds_fewer_micro_batches_than_gpipe(runs) -> None:
     figures = _runs(runs, 2)
     for rank in (0, 1):
@@ -251,7 +283,10 @@ def test_the_interleaved_schedule_names_each_stage_of_a_rank(runs) -> None:
             if stage < pr.PP_BLOCKS - 1:
                 expected[f"pipeline stage {stage}: receive buffers (gradients)"] = m * out
             assert f"pipeline stage {stage}: micro-batch activations" in f["highest"]["activations"]
-        assert received == expected
+        if RECEIVE_PER_MICRO_BATCH:  # made before each receive (2.15): named while they lived
+            assert received == {} and set(expected) <= set(f["highest"]["other"])
+        else:
+            assert received == expected
         assert 0 <= late(f) <= 1024 + 4 * out, late(f)
 
 
@@ -265,7 +300,8 @@ def test_a_ranks_cell_names_what_pipeline_stages_hold() -> None:
         assert r.status == "complete" and r.error is None and r.ended == "destroy_process_group"
         want = pipeline_figures(2, r.rank, "1f1b")
         kind = "gradients" if r.rank == 0 else "activations"
-        assert r.after.details("other")[f"pipeline stage {r.rank}: receive buffers ({kind})"] == want["received"]
+        received = r.after.details("other").get(f"pipeline stage {r.rank}: receive buffers ({kind})")
+        assert received == (None if RECEIVE_PER_MICRO_BATCH else want["received"])
         assert r.after["parameters"] == want["parameters"]
         assert f"pipeline stage {r.rank}: micro-batch activations" in r.peak.details("activations")
 

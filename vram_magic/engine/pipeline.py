@@ -7,11 +7,11 @@ it once it is) — so that what a micro-batch's forward makes counts as that sta
 stage, and what its backward makes as the stage's activation gradients (parameter gradients stay gradients: the
 optimizer step and the scan name them).
 
-At the end of a block the scan reads the stages it finds (the namespace's, or a schedule's): the receive buffers
-a stage allocates once for every micro-batch and keeps (the activations it receives from the stage before, the
-gradients from the stage after), the gradients of its inputs it sends back (kept on the activation buffers until
-the next step clears them), the micro-batches still in flight and the last stage's outputs kept for the merged
-output. Sends need no memory of their own: a stage sends its output tensor as it is.
+At the end of a block the scan reads the stages it finds (the namespace's, or a schedule's): their receive buffers
+(the activations a stage receives from the stage before, the gradients from the stage after: made once for every
+micro-batch in the first step and kept, up to PyTorch 2.13; made just before each receive and let go of once used,
+in 2.15), the gradients of its inputs it sends back, the micro-batches still in flight and the last stage's outputs
+kept for the merged output. Sends need no memory of their own: a stage sends its output tensor as it is.
 """
 
 from __future__ import annotations
@@ -77,6 +77,10 @@ _STAGE_METHODS = (
     ("forward_one_chunk", forward_role, _last_outputs),
     ("backward_one_chunk", backward_role, None),
     ("backward_weight_one_chunk", backward_role, None),
+    # where a stage allocates a micro-batch's receive buffer just before its receive (2.15; before, they are made
+    # once for all micro-batches in the first step, below)
+    ("get_fwd_recv_ops", lambda stage: received_role(stage, "activations"), None),
+    ("get_bwd_recv_ops", lambda stage: received_role(stage, "gradients"), None),
     # the first step: one micro-batch's forward and backward on the shapes, then the receive buffers
     ("_prepare_forward_infra", inference_role, lambda stage: _received(stage, "activations")),
     ("_prepare_backward_infra", inference_role, lambda stage: _received(stage, "gradients")),
@@ -257,6 +261,9 @@ def held_tensors(stage: Any) -> Iterator[tuple[Any, tuple[str, str]]]:
         yield t, input_grads_role(index)
     for t in _tensors(list((d.get("fwd_cache") or {}).values())):  # in flight: forward done, backward not yet
         yield t, forward_role(index)
+    for state in list((d.get("_forward_chunk_states") or {}).values()):  # the same, 2.15
+        for t in _tensors([getattr(state, "live_outputs", None), getattr(state, "input_values", None)]):
+            yield t, forward_role(index)
     for t in _tensors(list(d.get("output_chunks") or ())):
         yield t, outputs_role(index)
 
