@@ -15,19 +15,27 @@ from typing import Any
 from .arguments import OPTIONS, build, parse_error_hint
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """A command line's parser whose errors carry the advice to quote an expression split at its spaces."""
+
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {parse_error_hint(message)}\n")
 
 
-def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m vram_magic estimate", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flags, kwargs in OPTIONS:
+def parser_for(prog: str, doc: str | None, options: list[tuple[tuple[str, ...], dict[str, Any]]],
+               json_help: str) -> argparse.ArgumentParser:
+    """``python -m vram_magic PROG``'s parser: ``options`` (the list its magic reads too) and ``--json``."""
+    p = Parser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flags, kwargs in options:
         p.add_argument(*flags, **kwargs)
-    p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the report")
+    p.add_argument("--json", action="store_true", help=json_help)
     return p
+
+
+def parser() -> argparse.ArgumentParser:
+    return parser_for("python -m vram_magic estimate", __doc__, OPTIONS, "print the numbers as JSON instead of the "
+                      "report")
 
 
 def main(argv: list[str]) -> int:

@@ -11,22 +11,13 @@ import json
 import sys
 from typing import Any
 
-from .arguments import PLAN_OPTIONS, build_plan, parse_error_hint
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {parse_error_hint(message)}\\n")
+from .arguments import PLAN_OPTIONS, build_plan
+from .cli import parser_for
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m vram_magic plan", description=__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    for flags, kwargs in PLAN_OPTIONS:
-        p.add_argument(*flags, **kwargs)
-    p.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
-    return p
+    return parser_for("python -m vram_magic plan", __doc__, PLAN_OPTIONS, "print the rows as JSON instead of the "
+                      "table")
 
 
 def main(argv: list[str]) -> int:

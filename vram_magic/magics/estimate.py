@@ -7,11 +7,13 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..estimator.arguments import OPTIONS, QUOTING, build, parse_error_hint
+from ..estimator.arguments import OPTIONS, build
 from .checks import check_name
 from .display import WIDGET_VIEW, with_view
+from .options import help_text as options_help
+from .options import magic_parser
+from .options import parse as parse_options
 
 if TYPE_CHECKING:
     from ..estimator.result import Estimate
@@ -21,30 +23,16 @@ def vram_estimate(line: str) -> None:
     """Predict a training or inference step's memory without a GPU."""
 
 
-_parser = vram_estimate  # named for the usage line: %vram_estimate [--input EXPR] ...
-for _flags, _kwargs in reversed([*OPTIONS, (("-o", "--output"), {"metavar": "NAME", "help": "store the estimate in "
-                                                                 "the variable NAME"}),
-                                 (("-q", "--quiet"), {"action": "store_true", "help": "do not display the estimate"})]):
-    _parser = argument(*_flags, **_kwargs)(_parser)
-_parser = magic_arguments()(_parser)
+_parser = magic_parser(vram_estimate, OPTIONS, "estimate")  # named for the usage line: %vram_estimate ...
 
 
 def help_text() -> str:
     """``%vram_estimate --help``: the usage line and every option."""
-    return str(_parser.parser.format_help())
+    return options_help(_parser)
 
 
 def parse(line: str) -> Any:
-    if {"-h", "--help"} & set(line.split()):
-        return None  # argparse prints the help itself
-    try:
-        return parse_argstring(_parser, line)
-    except UsageError as err:
-        raise UsageError(parse_error_hint(str(err))) from None
-    except SystemExit as err:  # argparse's own exit on bad input
-        raise UsageError(f"cannot read the options of %vram_estimate: {line!r}; {QUOTING}") from err
-    except ValueError as err:  # shlex: an unclosed quote
-        raise UsageError(parse_error_hint(f"cannot read the options of %vram_estimate: {err}")) from None
+    return parse_options(_parser, line, "vram_estimate")
 
 
 def build_kwargs(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:

@@ -7,37 +7,27 @@ import sys
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..estimator.arguments import PLAN_OPTIONS, QUOTING, build_plan, parse_error_hint
+from ..estimator.arguments import PLAN_OPTIONS, build_plan
 from .checks import check_name
+from .options import help_text as options_help
+from .options import magic_parser
+from .options import parse as parse_options
 
 
 def vram_plan(line: str) -> None:
     """Rank the combinations of strategies that make a training step fit, by predicted step time."""
 
 
-_parser = vram_plan  # named for the usage line: %vram_plan MODEL [--input EXPR] ...
-for _flags, _kwargs in reversed([*PLAN_OPTIONS, (("-o", "--output"), {"metavar": "NAME", "help": "store the plan in "
-                                                                      "the variable NAME"}),
-                                 (("-q", "--quiet"), {"action": "store_true", "help": "do not display the plan"})]):
-    _parser = argument(*_flags, **_kwargs)(_parser)
-_parser = magic_arguments()(_parser)
+_parser = magic_parser(vram_plan, PLAN_OPTIONS, "plan")  # named for the usage line: %vram_plan MODEL ...
 
 
 def help_text() -> str:
-    return str(_parser.parser.format_help())
+    return options_help(_parser)
 
 
 def parse(line: str) -> Any:
-    try:
-        return parse_argstring(_parser, line)
-    except UsageError as err:
-        raise UsageError(parse_error_hint(str(err))) from None
-    except SystemExit as err:
-        raise UsageError(f"cannot read the options of %vram_plan: {line!r}; {QUOTING}") from err
-    except ValueError as err:
-        raise UsageError(parse_error_hint(f"cannot read the options of %vram_plan: {err}")) from None
+    return parse_options(_parser, line, "vram_plan")
 
 
 def run_plan(line: str, ns: dict[str, Any]) -> None:
