@@ -1,7 +1,9 @@
 """Tensor- and pipeline-parallel training steps on real gloo ranks on the CPU, measured inside each rank: the
 figures per-rank estimates are checked against (tests/test_ranks_tp_pp.py, benchmarks/ranks_tp_pp.py).
 
-The cases (:data:`CASES`), each two AdamW steps (forward, loss, backward, step, ``zero_grad``) on every rank:
+The cases (:data:`CASES`), each two AdamW steps (forward, loss, backward, step, ``zero_grad``) on every rank; a
+tensor-parallel step keeps its output and loss until it returns, as a training loop that ends each step with
+``del out, loss`` does (and as an estimate's step does):
 
 * ``tp-mlp``: three blocks ``Linear(256, 1024) → GELU → Linear(1024, 256)``, each ``parallelize_module``-d with
   the first linear ``ColwiseParallel`` and the second ``RowwiseParallel``; batch 256, loss ``out.sum()``.
@@ -31,6 +33,7 @@ it left). ``armed=True`` runs one case without ``measure()`` in the ranks, insid
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -204,8 +207,11 @@ def _tp_job(case: Case, world: int, mesh: Any) -> tuple[dict[str, Any], Callable
         model = parallelize(mlp(), mesh, mlp_plan())
         x = torch.randn(TP_BATCH, WIDTH)
 
-        def loss() -> torch.Tensor:
-            return model(x).sum()
+        def forward() -> Any:
+            return model(x)
+
+        def loss_of(out: Any) -> torch.Tensor:
+            return out.sum()
 
         ns: dict[str, Any] = {"model": model, "x": x}
     else:
@@ -220,15 +226,22 @@ def _tp_job(case: Case, world: int, mesh: Any) -> tuple[dict[str, Any], Callable
         # the model would otherwise count them
         positions = torch.arange(LLAMA_SEQ).unsqueeze(0)
 
-        def loss() -> torch.Tensor:
-            return model(input_ids=ids, position_ids=positions, use_cache=False).logits.float().sum()
+        def forward() -> Any:
+            return model(input_ids=ids, position_ids=positions, use_cache=False)
+
+        def loss_of(out: Any) -> torch.Tensor:
+            return out.logits.float().sum()
 
         ns = {"model": model, "ids": ids, "positions": positions}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ns["opt"] = opt
 
     def step() -> None:
-        loss().backward()
+        # the output and the loss live until the step returns, as in a loop that ends each step with `del out,
+        # loss` (and as an estimate's step keeps them)
+        out = forward()
+        loss = loss_of(out)
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -442,11 +455,28 @@ def _launcher(world: int, names: Sequence[str], folder: str, armed: bool, pids: 
         raise SystemExit(f"ranks failed (exit codes {bad})")
 
 
+@contextlib.contextmanager
+def _main_spec() -> Any:
+    """``__main__`` with a ``__spec__`` while a process is spawned: under IPython (an ``InteractiveShell`` in the same
+    process, as the tests make) ``sys.modules["__main__"]`` is the shell's namespace object, which has none, and
+    ``multiprocessing.spawn`` reads it (``AttributeError``). ``None`` says "nothing to import again in the child"."""
+    main = sys.modules.get("__main__")
+    missing = main is not None and not hasattr(main, "__spec__")
+    if missing:
+        main.__spec__ = None
+    try:
+        yield
+    finally:
+        if missing:
+            del main.__spec__
+
+
 def _start(world: int, names: Sequence[str], folder: str, armed: bool) -> None:
     ctx = mp.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
     launcher = ctx.Process(target=_launcher, args=(world, list(names), folder, armed, send))
-    launcher.start()
+    with _main_spec():
+        launcher.start()
     send.close()
     pids: list[int] = []
     try:
@@ -487,6 +517,18 @@ def run(world: int, names: Sequence[str] | None = None) -> dict[str, list[dict[s
     return out
 
 
+_RUNS: dict[tuple[int, tuple[str, ...]], dict[str, list[dict[str, Any]]]] = {}
+
+
+def run_once(world: int, names: Sequence[str] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """:func:`run`, once per process for the same ranks and cases (the tests of the measurement and of the estimate
+    share one launch)."""
+    key = (world, tuple(cases_for(world) if names is None else names))
+    if key not in _RUNS:
+        _RUNS[key] = run(world, key[1])
+    return _RUNS[key]
+
+
 def run_armed(world: int, name: str) -> Any:
     """Run one case with the ranks measured as ``%%vram --ranks`` measures them; the ``RankReports``."""
     from vram_magic.ranks import RankReports
@@ -517,5 +559,5 @@ def off(measured: dict[str, Any], estimated: Any, tolerance: float = 0.01) -> di
 
 
 __all__ = ["CASES", "CATEGORIES", "Case", "block", "cases_for", "errors", "figures_of", "interleaved_stages", "llama",
-           "llama_config_kwargs", "llama_plan", "mlp", "mlp_plan", "off", "parallelize", "run", "run_armed",
+           "llama_config_kwargs", "llama_plan", "mlp", "mlp_plan", "off", "parallelize", "run", "run_armed", "run_once",
            "stage_range", "static_stages"]
