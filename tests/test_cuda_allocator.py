@@ -238,7 +238,7 @@ def test_expandable_segments_grow_by_pages_and_unmap_before_giving_up():
 
 
 def test_a_step_replayed_under_expandable_segments():
-    from vram_magic.estimator.cuda_model import allocator_layout
+    from vram_magic.estimator.target.cuda import allocator_layout
 
     # the step of tests/test_cuda_estimate.py: 16 MiB weight; 11 MiB activation; 100 bytes; both freed; 19 MiB
     sizes = {1: 16 * MiB, 2: 11 * MiB, 3: 100, 4: 19 * MiB}

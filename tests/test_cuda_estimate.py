@@ -81,3 +81,19 @@ def test_estimate_reserves_what_the_simulated_allocator_reserves():
     assert on_h100.peak.details("other")["cuBLAS workspaces (modelled)"] == 2 * 32 * MiB
     assert not any("assumed" in n for n in est.notes)
     assert any("8.125 MiB per cuBLAS handle assumed" in n for n in vram_magic.estimate(model, x).notes)
+
+
+def test_capacities_are_what_cuda_can_allocate_not_nvidia_smi_totals():
+    """A catalogued GPU's capacity is totalGlobalMem as published for current drivers (deviceQuery, PyTorch's own
+    out-of-memory messages), below nvidia-smi's total, which includes memory the driver keeps; the estimate says so."""
+    from vram_magic.estimator.target.gpus import GPUS, find_gpu
+
+    t4 = find_gpu("T4")
+    assert t4.memory == 15642329088 and round(t4.memory / MiB) == 14918 and t4.reported == 15360 * MiB
+    assert find_gpu("A100-80GB").memory == 85100068864 and find_gpu("H200").memory == 143156 * MiB
+    for gpu in GPUS:
+        assert gpu.source and (gpu.reported is None or gpu.memory <= gpu.reported), gpu.name
+    est = vram_magic.estimate(torch.nn.Linear(64, 64), torch.randn(4, 64), gpu="T4")
+    assert est.capacity == t4.memory
+    assert any(n.startswith("capacity: what CUDA lets PyTorch allocate on a T4, 14.6 GiB")
+               and "nvidia-smi shows 15.0 GiB" in n for n in est.notes)

@@ -343,7 +343,7 @@ def test_gpu_expandable_segments_in_a_measured_cell_and_the_estimate():
         with vram_magic.measure("cuda", namespace={}) as m:
             t = torch.empty(19 * MiB + MiB // 2, dtype=torch.uint8, device="cuda")
             del t
-        from vram_magic.estimator.gpus import GPU, find_gpu
+        from vram_magic.estimator.target.gpus import GPU, find_gpu
         name = torch.cuda.get_device_name(0)
         try:
             gpu = find_gpu(name)

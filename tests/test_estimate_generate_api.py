@@ -312,7 +312,7 @@ def _prefill_like(medium_block_first: bool):
     """Two layers of a prefill on the math kernel, as the allocator sees them: the scores (2 GiB) and their softmax
     (2 GiB), the scores freed, a 256 MiB tensor made while the softmax is alive, then the next layer's scores and
     softmax. ``medium_block_first``: a freed 300 MiB block (an MLP intermediate) lies in the cache beforehand."""
-    from vram_magic.estimator.generate_cuda import PinnedAllocator
+    from vram_magic.estimator.generate.cuda import PinnedAllocator
 
     a = PinnedAllocator()
     if medium_block_first:
@@ -364,7 +364,7 @@ def test_what_a_gpu_needs_for_generation_says_what_is_stranded():
                                       "made for model.layers.0.self_attn's prefill activations, which "
                                       "model.layers.3.self_attn's prefill activations (256 MiB) keeps")
     assert any(gen.stranded_by in n for n in est.notes)
-    from vram_magic.estimator.generate_whatif import stranded_note
+    from vram_magic.estimator.generate.candidates import stranded_note
 
     assert stranded_note(gen).startswith(f"; needs {vram_magic.format_bytes(gen.stranded)} free inside segments")
     # blocks of 512 MiB or more kept whole (max_split_size_mb, which the note suggests): nothing strands a GiB

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 
 from ..breakdown import Breakdown
 from ..trace import alive_after, event_deltas, peak_of
+from ..units import format_bytes
 from .layouts import layout_for
 from .options import Options
 from .target import Target
 from .target.cuda import CudaAllocation, CudaModel, cuda_allocation
+from .target.gpus import GPU
 from .tracing.traced import Trace
 
 #: the note every CUDA estimate carries
@@ -42,6 +44,13 @@ class Replayed:
     @property
     def fits(self) -> bool | None:
         return None if self.capacity is None else self.needed <= self.capacity
+
+
+def capacity_note(gpu: GPU) -> str:
+    """Where a catalogued GPU's capacity comes from: what CUDA lets PyTorch allocate, not nvidia-smi's total."""
+    smi = f"; nvidia-smi shows {format_bytes(gpu.reported)}" if gpu.reported and gpu.reported != gpu.memory else ""
+    return (f"capacity: what CUDA lets PyTorch allocate on a {gpu.name}, {format_bytes(gpu.memory)} "
+            f"({gpu.source}){smi}")
 
 
 def replay(trace: Trace, sizes: dict[int, int], spikes: dict[int, int],
@@ -94,6 +103,8 @@ def from_trace(trace: Trace, opts: Options, target: Target) -> Replayed:
         notes.append(trace.problem)
     if gpu is not None:
         notes.append(CUDA_NOTE)
+    if target.gpu is not None and target.budget is None:
+        notes.append(capacity_note(target.gpu))
     return Replayed(
         peak=peak,
         after_forward=Breakdown.from_rows(rows_at(trace, sizes, fwd_index)),

@@ -99,10 +99,11 @@ def _fake_modules_convert() -> Iterator[None]:
         set_module_apply(_module_apply)
 
 
-def enable_checkpointing(model: nn.Module, units: list[nn.Module], every: int = 1) -> str:
+def enable_checkpointing(model: nn.Module, units: list[nn.Module], every: int = 1, modes: bool = True) -> str:
     """Switch activation checkpointing on in the (fake) model, for every block or every ``every``-th one; say how.
-    The checkpoints are non-reentrant and enter the forward's function modes again for the recompute
-    (:func:`modes_again`)."""
+    The checkpoints are non-reentrant and, with ``modes``, enter the forward's function modes again for the recompute
+    (:func:`modes_again`; not in a compiled model, where TorchDynamo refuses a ``context_fn`` and no mode runs)."""
+    again = {"context_fn": modes_again} if modes else {}
     for name, kwarg in (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
                         ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs")):
         switch = _own(model, name)
@@ -112,7 +113,7 @@ def enable_checkpointing(model: nn.Module, units: list[nn.Module], every: int = 
             params = inspect.signature(switch).parameters
         except (TypeError, ValueError):
             params = {}  # type: ignore[assignment]
-        call: dict[str, Any] = {kwarg: {"use_reentrant": False, "context_fn": modes_again}} if kwarg in params else {}
+        call: dict[str, Any] = {kwarg: {"use_reentrant": False, **again}} if kwarg in params else {}
         if every > 1:
             if "every_n_layers" not in params:
                 continue
@@ -124,7 +125,7 @@ def enable_checkpointing(model: nn.Module, units: list[nn.Module], every: int = 
         _no_cache(model)
         return f"the model's own {name}({f'every_n_layers={every}' if every > 1 else ''}) (non-reentrant)"
     if every > 1:
-        return _every_kth(model, units, every)
+        return _every_kth(model, units, every, again)
     switch = _own(model, "enable_gradient_checkpointing")
     if switch is not None and getattr(_base(model), "_supports_gradient_checkpointing", True):
         try:
@@ -134,17 +135,17 @@ def enable_checkpointing(model: nn.Module, units: list[nn.Module], every: int = 
             pass
     _no_cache(model)
     for u in units:
-        _wrap_checkpoint(u)
+        _wrap_checkpoint(u, again)
     return f"torch.utils.checkpoint (non-reentrant) around each of {len(units)} blocks"
 
 
-def _every_kth(model: nn.Module, units: list[nn.Module], every: int) -> str:
+def _every_kth(model: nn.Module, units: list[nn.Module], every: int, again: dict[str, Any]) -> str:
     """Checkpointing of blocks 0, k, 2k, … by ``torch.utils.checkpoint`` around those blocks (a model whose own switch
     has no ``every_n_layers``)."""
     chosen = units[::every]
     _no_cache(model)
     for u in chosen:
-        _wrap_checkpoint(u)
+        _wrap_checkpoint(u, again)
     return f"torch.utils.checkpoint (non-reentrant) around {len(chosen)} of {len(units)} blocks (every {every})"
 
 
@@ -198,7 +199,7 @@ def modes_again() -> tuple[Any, Any]:
     return contextlib.nullcontext(), _ModesAgain(function_modes())
 
 
-def _wrap_checkpoint(unit: nn.Module) -> None:
+def _wrap_checkpoint(unit: nn.Module, again: dict[str, Any]) -> None:
     from torch.utils.checkpoint import checkpoint
 
     inner = unit.forward
@@ -210,7 +211,7 @@ def _wrap_checkpoint(unit: nn.Module) -> None:
         for key in _CACHE_KWARGS:
             if kwargs.get(key) is not None:
                 kwargs[key] = None
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=modes_again, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **again, **kwargs)
 
     unit.forward = forward  # type: ignore[method-assign]
 
