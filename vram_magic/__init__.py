@@ -84,6 +84,11 @@ def estimate(
     generate: int | None = None,
     cache_implementation: str | None = None,
     num_beams: int = 1,
+    tp: int = 1,
+    pp: int | list[str] = 1,
+    micro_batches: int | None = None,
+    schedule: str = "1f1b",
+    parallelize_plan: dict[str, Any] | None = None,
 ) -> Estimate:
     """Estimate the memory of a training (or inference) step of ``model`` on ``inputs``.
 
@@ -124,6 +129,14 @@ def estimate(
     finds the longest prompt (``estimate.max_prompt``) and ``max_batch`` the largest batch that fit with N new
     tokens.
     A decoder without transformers whose forward takes and returns a cache (``past_key_values``) works too.
+
+    ``tp=T``: tensor parallelism over T ranks, as ``parallelize_module`` does it with ``parallelize_plan`` (a dict
+    of ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` styles, as PyTorch takes it; default:
+    torchtitan's plan for a transformers decoder laid out as Llama's). ``pp=P``: pipeline parallelism over P stages
+    of an ``nn.Sequential`` (split evenly by blocks, or ``pp=["4", "8"]``: the children where stages begin), with
+    ``micro_batches`` (default P) and ``schedule`` (``"1f1b"``, ``"gpipe"``, ``"interleaved"``: two stages a
+    rank). ``world`` is then tp × pp × dp and ``zero``/``fsdp`` shard over the dp ranks. The estimate is the most
+    loaded rank's; ``estimate.ranks[r]`` is rank r's, and ``fits`` asks whether every rank fits.
     """
     # the estimator (and torch) are imported on the first call, not with the package; its estimate() has this
     # signature and docstring (tests/test_estimate.py holds the two together)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from .options import check_training_options, make_options
-from .result import Estimate, GenerateEstimate, StepEstimate, Strategy
+from .result import Estimate, GenerateEstimate, ParallelEstimate, RankEstimate, StepEstimate, Strategy
 from .target import Target, make_target
 from .target.cuda import CudaModel, with_allocator
 from .target.gpus import GPU, GPUS, find_gpu
@@ -55,6 +55,11 @@ def estimate(
     generate: int | None = None,
     cache_implementation: str | None = None,
     num_beams: int = 1,
+    tp: int = 1,
+    pp: int | list[str] = 1,
+    micro_batches: int | None = None,
+    schedule: str = "1f1b",
+    parallelize_plan: dict[str, Any] | None = None,
 ) -> Estimate:
     """Estimate the memory of a training (or inference) step of ``model`` on ``inputs``.
 
@@ -95,23 +100,27 @@ def estimate(
     finds the longest prompt (``estimate.max_prompt``) and ``max_batch`` the largest batch that fit with N new
     tokens.
     A decoder without transformers whose forward takes and returns a cache (``past_key_values``) works too.
+
+    ``tp=T``: tensor parallelism over T ranks, as ``parallelize_module`` does it with ``parallelize_plan`` (a dict
+    of ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` styles, as PyTorch takes it; default:
+    torchtitan's plan for a transformers decoder laid out as Llama's). ``pp=P``: pipeline parallelism over P stages
+    of an ``nn.Sequential`` (split evenly by blocks, or ``pp=["4", "8"]``: the children where stages begin), with
+    ``micro_batches`` (default P) and ``schedule`` (``"1f1b"``, ``"gpipe"``, ``"interleaved"``: two stages a
+    rank). ``world`` is then tp × pp × dp and ``zero``/``fsdp`` shard over the dp ranks. The estimate is the most
+    loaded rank's; ``estimate.ranks[r]`` is rank r's, and ``fits`` asks whether every rank fits.
     """
     if generate is not None or cache_implementation is not None or num_beams != 1:
-        if generate is None:
-            raise ValueError("cache_implementation and num_beams apply to generate=N (the number of new tokens)")
-        check_training_options(dict(checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp,
-                                    world=world, offload=offload, lora=lora, master_weights=master_weights,
-                                    loss_fn=loss_fn))
-        from .generate.trace import make_spec
-
-        spec = make_spec(generate, cache_implementation, num_beams)
-        opts = make_options(inference=True, dtype=dtype, amp=amp, device=device, quantize=quantize).with_(
-            generate=spec.new_tokens, cache_implementation=spec.cache_implementation, num_beams=spec.num_beams)
+        opts = generate_options(generate, cache_implementation, num_beams, dict(
+            dtype=dtype, amp=amp, device=device, quantize=quantize), dict(
+            checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp, world=world, offload=offload,
+            lora=lora, master_weights=master_weights, loss_fn=loss_fn, tp=tp, pp=pp, micro_batches=micro_batches,
+            parallelize_plan=parallelize_plan))
     else:
         opts = make_options(optimizer=optimizer, inference=inference, dtype=dtype, amp=amp,
                             master_weights=master_weights, checkpointing=checkpointing, accumulate=accumulate,
                             zero=zero, fsdp=fsdp, world=world, offload=offload, device=device, steps=steps,
-                            quantize=quantize, lora=lora)
+                            quantize=quantize, lora=lora, tp=tp, pp=pp, micro_batches=micro_batches,
+                            schedule=schedule, parallelize_plan=parallelize_plan)
     if batch is not None:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be a whole number ≥ 1 (the inputs' new dimension 0), not {batch!r}")
@@ -131,6 +140,20 @@ def estimate(
         est = replace(est, notes=(*est.notes, settings.note("not modelled for generate()'s decoding loop: its "
                                                             "replay used the default rules, not those")))
     return est
+
+
+def generate_options(generate: Any, cache_implementation: Any, num_beams: int, kept: dict[str, Any],
+                     training: dict[str, Any]) -> Any:
+    """The options of a ``generate()`` estimate (``kept``: those it takes; ``training``: the training options,
+    which must be at their defaults)."""
+    if generate is None:
+        raise ValueError("cache_implementation and num_beams apply to generate=N (the number of new tokens)")
+    check_training_options(training)
+    from .generate.trace import make_spec
+
+    spec = make_spec(generate, cache_implementation, num_beams)
+    return make_options(inference=True, **kept).with_(
+        generate=spec.new_tokens, cache_implementation=spec.cache_implementation, num_beams=spec.num_beams)
 
 
 def workload_for(model: Any, inputs: Any, loss_fn: Any, opts: Any, target: Target, name: str | None = None) -> Any:
@@ -196,5 +219,6 @@ def find_max_batch(est: Estimate, *, dim: int = 0, progress: Callable[[str], Non
     return est.rerunnable().largest(est, "batch" if dim == 0 else "seq", progress)
 
 
-__all__ = ["GPU", "GPUS", "CudaModel", "Estimate", "EstimateError", "GenerateEstimate", "StepEstimate", "Strategy",
+__all__ = ["GPU", "GPUS", "CudaModel", "Estimate", "EstimateError", "GenerateEstimate", "ParallelEstimate",
+           "RankEstimate", "StepEstimate", "Strategy",
            "Target", "estimate", "find_gpu", "find_max_batch", "follow_ups", "make_target", "plan"]

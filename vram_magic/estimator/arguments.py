@@ -59,6 +59,15 @@ OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--max-batch",), {"action": "store_true", "help": "search the largest batch that fits --gpu/--budget"}),
     (("--max-seq",), {"action": "store_true", "help": "search the longest sequence (input dimension 1) that fits"}),
     (("--what-if",), {"action": "store_true", "help": "add the what-if table of strategies"}),
+    # model parallelism (layouts/tensor.py, layouts/pipeline.py)
+    (("--tp",), {"type": int, "default": 1, "metavar": "T", "help": "tensor parallelism over T ranks "
+                 "(parallelize_module with --tp-plan, or the default plan of a Llama-like transformers decoder)"}),
+    (("--tp-plan",), {"metavar": "EXPR", "help": "with --tp: the parallelize_plan, a dict of ColwiseParallel / "
+                   "RowwiseParallel / SequenceParallel styles (a name or an expression)"}),
+    (("--pp",), {"metavar": "P", "help": "pipeline parallelism over P stages of an nn.Sequential (split evenly by "
+                 "blocks), or the children where stages begin: --pp 4,8"}),
+    (("--micro-batches",), {"type": int, "metavar": "M", "help": "with --pp: the micro-batches (default P)"}),
+    (("--schedule",), {"default": "1f1b", "help": "with --pp: 1f1b, gpipe or interleaved (two stages a rank)"}),
     # text generation (generate_estimate.py)
     (("--generate",), {"type": int, "metavar": "N", "help": "the peak of model.generate(input_ids, max_new_tokens=N) "
                        "instead of a step; --max-seq then finds the longest prompt, --max-batch the largest batch"}),
@@ -190,6 +199,7 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         quantize=args.quantize, lora=args.lora,
         device=args.device, what_if=args.what_if, max_batch=args.max_batch, max_seq=args.max_seq,
     )
+    kwargs.update(parallel_options(args, ns))
     if args.batch is not None and args.input:  # --input resized to --batch (with --shape it is the shape's batch)
         kwargs["batch"] = args.batch
     if args.loss:
@@ -201,6 +211,25 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     return model, inputs, kwargs
 
 
+def parallel_options(args: Any, ns: dict[str, Any]) -> dict[str, Any]:
+    """``tp``, ``pp``, ``micro_batches``, ``schedule`` and ``parallelize_plan`` from parsed options (only those
+    given)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "tp", 1) != 1:
+        out["tp"] = args.tp
+    pp = getattr(args, "pp", None)
+    if pp:
+        text = unquote(pp)
+        out["pp"] = int(text) if text.strip().isdigit() else [p.strip() for p in text.split(",") if p.strip()]
+    if getattr(args, "micro_batches", None) is not None:
+        out["micro_batches"] = args.micro_batches
+    if getattr(args, "schedule", "1f1b") != "1f1b":
+        out["schedule"] = args.schedule
+    if getattr(args, "tp_plan", None):
+        out["parallelize_plan"] = evaluate(args.tp_plan, ns, "--tp-plan")
+    return out
+
+
 # the options of %vram_plan and python -m vram_magic plan: the model, its inputs and loss as for an estimate, then
 # what the plan is for
 _SHARED = ("model", "--input", "--shape", "--batch", "--vocab", "--loss", "--optimizer", "--dtype", "--device",
@@ -210,8 +239,9 @@ PLAN_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [o for o in OPTIONS
     (("--gpus",), {"type": int, "default": 1, "metavar": "N", "help": "how many of them (data parallel)"}),
     (("--global-batch",), {"type": int, "metavar": "B", "help": "samples per optimizer step across the GPUs "
                            "(default: the inputs' batch)"}),
-    (("--allow",), {"metavar": "WHAT", "help": "also try lora, quantize (QLoRA, with lora), optimizer, batch "
-                    "(comma-separated): they change what or how the model trains"}),
+    (("--allow",), {"metavar": "WHAT", "help": "also try lora, quantize (QLoRA, with lora), optimizer, batch, "
+                    "parallel (tensor and pipeline parallelism; comma-separated): they change what or how the model "
+                    "trains"}),
     (("--interconnect",), {"metavar": "LINK", "help": "how the GPUs talk: nvlink, pcie, infiniband-400g, "
                            "infiniband-200g, ethernet-100g, ethernet-25g (default: the GPU's own link in one host)"}),
     (("--generate",), {"type": int, "metavar": "N", "help": "plan model.generate(input_ids, max_new_tokens=N): "

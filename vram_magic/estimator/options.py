@@ -76,6 +76,24 @@ class Options:
     do_sample: bool = False
     cache_bits: int = 4  # a quantized cache's bits (2 or 4)
     last_logits_only: bool = False  # the output head computes the last position only (logits_to_keep=1)
+    # model parallelism (layouts/tensor.py, layouts/pipeline.py): ``world`` ranks = tp × pp × dp, ZeRO over dp
+    tp: int = 1  # tensor-parallel ranks (parallelize_module)
+    pp: int = 1  # pipeline stages (torch.distributed.pipelining)
+    split_points: tuple[str, ...] = ()  # the children where the stages after the first begin (default: even)
+    micro_batches: int | None = None  # the pipeline's micro-batches (None: pp)
+    schedule: str = "1f1b"  # the pipeline schedule: 1f1b, gpipe or interleaved
+    parallelize_plan: tuple[tuple[str, Any], ...] | None = None  # (module name, style) pairs; None: the default
+    pp_rank: int = 0  # which pipeline rank a trace is of
+
+    @property
+    def dp(self) -> int:
+        """The data-parallel ranks: ``world / (tp × pp)``."""
+        return max(self.world // (self.tp * self.pp), 1)
+
+    @property
+    def parallel(self) -> bool:
+        """Whether the model is split across ranks (tensor or pipeline parallelism)."""
+        return self.tp > 1 or self.pp > 1
 
     def with_(self, **changes: Any) -> Options:
         return replace(self, **changes)
@@ -102,8 +120,13 @@ class Options:
             parts.append("checkpointing" + (f" every {k} blocks" if k > 1 else ""))
         if self.accumulate > 1:
             parts.append(f"accumulate {self.accumulate}")
+        if self.tp > 1:
+            parts.append(f"TP {self.tp}")
+        if self.pp > 1:
+            parts.append(f"PP {self.pp} ({self.schedule.upper() if self.schedule != 'interleaved' else 'interleaved'}"
+                         f", {self.micro_batches or self.pp} micro-batches)")
         if self.zero:
-            parts.append(f"ZeRO-{self.zero} × {self.world}")
+            parts.append(f"ZeRO-{self.zero} × {self.dp if self.parallel else self.world}")
         if self.offload:
             parts.append("optimizer offload")
         return ", ".join(parts)
@@ -116,7 +139,8 @@ AFTER_TRACE: dict[str, Any] = {"zero": None, "world": 1, "offload": False}
 
 #: training options that mean nothing for generate() (their defaults)
 _TRAINING = {"checkpointing": False, "accumulate": 1, "zero": None, "fsdp": False, "world": 1, "offload": False,
-             "lora": None, "master_weights": None, "loss_fn": None}
+             "lora": None, "master_weights": None, "loss_fn": None, "tp": 1, "pp": 1, "micro_batches": None,
+             "parallelize_plan": None}
 
 
 def check_training_options(given: dict[str, Any]) -> None:
@@ -154,6 +178,11 @@ def make_options(
     steps: int = 2,
     quantize: Any = None,
     lora: Any = None,
+    tp: int = 1,
+    pp: Any = 1,
+    micro_batches: int | None = None,
+    schedule: str = "1f1b",
+    parallelize_plan: Any = None,
 ) -> Options:
     """Check every option; raise ``ValueError``/``TypeError`` naming what is accepted."""
     if isinstance(optimizer, str):
@@ -192,6 +221,8 @@ def make_options(
             zero = int(zero)
         if zero not in (1, 2, 3):
             raise ValueError(f"zero must be 1, 2 or 3 (the ZeRO stage), not {zero!r}")
+    parallel = parse_parallel(tp, pp, micro_batches, schedule, parallelize_plan, world, zero, inference, accumulate)
+    world = parallel.pop("world")
     if zero is not None and world < 2:
         raise ValueError("sharding needs world ≥ 2 (the number of ranks), e.g. zero=3, world=8")
     if device not in ("cuda", "cpu") and not (isinstance(device, str) and device.startswith("cuda:")):
@@ -204,7 +235,7 @@ def make_options(
         optimizer=optimizer, inference=bool(inference), dtype=dt, amp=am, master_weights=master,
         checkpointing=parse_checkpointing(checkpointing),
         accumulate=accumulate, zero=zero, world=world, offload=bool(offload),
-        device="cuda" if str(device).startswith("cuda") else "cpu", steps=steps,
+        device="cuda" if str(device).startswith("cuda") else "cpu", steps=steps, **parallel,
     )
 
 
@@ -250,3 +281,67 @@ def parse_lora(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"lora must be the adapters' rank, a whole number ≥ 1 (e.g. lora=16), not {value!r}")
     return value
+
+
+#: the pipeline schedules (``torch.distributed.pipelining``'s ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B)
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+def parse_parallel(tp: Any, pp: Any, micro_batches: Any, schedule: Any, plan: Any, world: int, zero: Any,
+                   inference: bool, accumulate: int) -> dict[str, Any]:
+    """The model-parallel options checked (``ValueError``/``TypeError`` naming what is accepted), with ``world``
+    (``tp × pp`` when it was left at 1)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a whole number ≥ 1 (the tensor-parallel ranks), not {tp!r}")
+    split_points: tuple[str, ...] = ()
+    if isinstance(pp, (list, tuple)):
+        if not pp or not all(isinstance(p, str) for p in pp):
+            raise TypeError("pp takes the number of stages, or a list of the modules where the stages after the "
+                            "first begin (e.g. pp=['4', '8'] for three stages)")
+        split_points, pp = tuple(pp), len(pp) + 1
+    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
+        raise ValueError(f"pp must be a whole number ≥ 1 (the pipeline stages) or a list of split points, not {pp!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, not {schedule!r}")
+    if micro_batches is not None and (isinstance(micro_batches, bool) or not isinstance(micro_batches, int)
+                                      or micro_batches < 1):
+        raise ValueError(f"micro_batches must be a whole number ≥ 1, not {micro_batches!r}")
+    if micro_batches is not None and pp == 1:
+        raise ValueError("micro_batches is the pipeline's (pp ≥ 2); for gradient accumulation give accumulate=K")
+    if plan is not None and tp == 1:
+        raise ValueError("parallelize_plan applies with tp ≥ 2 (the tensor-parallel ranks)")
+    if plan is not None:
+        plan = parse_plan(plan)
+    if pp > 1 and inference:
+        raise ValueError("pp estimates a training step (a pipeline's forwards and backwards); drop inference=True")
+    if pp > 1 and accumulate > 1:
+        raise ValueError("with pp the batch is split into micro_batches; give micro_batches=K instead of accumulate")
+    ranks = tp * pp
+    if ranks > 1:
+        if world == 1:
+            world = ranks
+        if world % ranks:
+            raise ValueError(f"tp × pp × dp must equal world: tp={tp} × pp={pp} = {ranks} does not divide "
+                             f"world={world}; give world as a multiple of {ranks} (dp = world / {ranks})")
+        if zero is not None and world // ranks < 2:
+            raise ValueError(f"zero shards over the data-parallel ranks, dp = world / (tp × pp) = {world // ranks}: "
+                             f"give world={2 * ranks} or more with zero")
+    return {"tp": tp, "pp": pp, "split_points": split_points, "micro_batches": micro_batches if pp > 1 else None,
+            "schedule": schedule, "parallelize_plan": plan, "world": world}
+
+
+def parse_plan(plan: Any) -> tuple[tuple[str, Any], ...]:
+    """The user's ``parallelize_plan`` as ``((module name or pattern, style), ...)``; ``TypeError`` for anything
+    but a dict of PyTorch's parallel styles."""
+    if not isinstance(plan, dict) or not plan:
+        raise TypeError("parallelize_plan must be a dict from module names to parallel styles, as "
+                        "parallelize_module takes it, e.g. {'0': ColwiseParallel(), '2': RowwiseParallel()}, not "
+                        f"{type(plan).__name__}")
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    for name, style in plan.items():
+        if not isinstance(name, str) or not isinstance(style, ParallelStyle):
+            raise TypeError(f"parallelize_plan: {name!r} → {type(style).__name__}: each entry must be a module name "
+                            "(or a pattern such as 'layers.*.mlp') and a style (ColwiseParallel, RowwiseParallel, "
+                            "SequenceParallel, PrepareModuleInput, ...)")
+    return tuple(plan.items())

@@ -207,6 +207,68 @@ class GenerateEstimate(Estimate):
         return estimate_html(self)
 
 
+@dataclass(frozen=True)
+class RankEstimate:
+    """One role's estimate in a tensor- or pipeline-parallel job: the ``ranks`` that hold the same (a pipeline
+    stage's ranks across the tensor- and data-parallel groups), its ``stages``, the peak by category and what the
+    device needs on each of them."""
+
+    ranks: tuple[int, ...]
+    role: str
+    stages: tuple[int, ...]
+    peak: Breakdown
+    after_forward: Breakdown
+    needed: int
+    reserved: int = 0
+    capacity: int | None = None
+    fits: bool | None = None
+    model_states: int = 0
+    modelled: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.peak.total
+
+
+@dataclass(frozen=True)
+class ParallelEstimate(StepEstimate):
+    """A step of a job spread over ``tp × pp × dp`` ranks: ``ranks[r]`` is rank ``r``'s estimate (ranks with the
+    same role share one :class:`RankEstimate`), ``roles`` each distinct one once, ``most_loaded`` the rank whose
+    peak is the headline (the estimate's own ``peak``, ``needed`` … are that rank's); ``fits`` only if every rank
+    fits."""
+
+    ranks: tuple[RankEstimate, ...] = ()
+    roles: tuple[RankEstimate, ...] = ()
+    most_loaded: int = 0
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batches: int | None = None
+    schedule: str = ""
+
+    def per_rank(self) -> pd.DataFrame:
+        """Each role's peak by category, what it needs and whether it fits, one row per role (raw bytes)."""
+        import pandas as pd
+
+        rows = []
+        for r in self.roles:
+            row: dict[str, Any] = {"ranks": ", ".join(map(str, r.ranks)), "role": r.role}
+            row.update({c: r.peak[c] for c in r.peak})
+            row.update({"peak": r.peak.total, "needed": r.needed, "fits": r.fits})
+            rows.append(row)
+        return pd.DataFrame(rows).set_index("ranks")
+
+    def _text(self) -> str:
+        from .render.ranks import estimate_text
+
+        return estimate_text(self)
+
+    def _html(self) -> str:
+        from .render.ranks import estimate_html
+
+        return estimate_html(self)
+
+
 def strategies_frame(rows: tuple[Strategy, ...] | list[Strategy]) -> pd.DataFrame:
     """The what-if rows as a DataFrame (raw numbers; savings positive, in bytes and as a share of the baseline)."""
     import pandas as pd

@@ -10,6 +10,7 @@ import and are imported by their accessors, when an estimate first needs them.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from torch._subclasses import fake_tensor as _fake_tensor
@@ -118,12 +119,92 @@ def construct_script_module(cpp_module: Any, init: Any) -> Any:
     return RecursiveScriptModule._construct(cpp_module, init)
 
 
+# --- tensor parallelism (torch/distributed/device_mesh.py) -------------------------------------------------
+
+def offline_mesh(size: int, rank: int, group_name: str) -> Any:
+    """A one-dimensional ``DeviceMesh`` of ``size`` CPU ranks seen from ``rank``, with no backend behind it:
+    ``DeviceMesh("cpu", range(size), _init_backend=False, _rank=rank)``, its ``_dim_group_names`` set to
+    ``group_name`` (a group :func:`named_group` registered). ``parallelize_module(..., src_data_rank=None)`` shards
+    with it without communicating, and DTensor's functional collectives on fake tensors run their fake kernels.
+    ``_rank`` and ``_dim_group_names`` checked on torch 2.13 and 2.15; torch 2.5.1 has no ``_rank`` (its mesh asks
+    the default group for the rank): ``TypeError`` there."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # named after its group: a mesh equal to an earlier one (same ranks, same names) would meet DTensor's cached
+    # shardings of that one, which name the earlier group
+    mesh = DeviceMesh("cpu", list(range(size)), mesh_dim_names=(group_name,), _init_backend=False, _rank=rank)
+    mesh._dim_group_names = [group_name]
+    return mesh
+
+
+def register_group(name: str, rank: int, size: int) -> Any:
+    """A ``ProcessGroup`` with no backend (``ProcessGroup(HashStore(), rank, size)``) registered in c10d's group
+    table under ``name``, which only answers its size (the functional collectives ask a group's size by name, for
+    their outputs' shapes); a function that unregisters it. Neither the default group nor any group the user made is
+    read or changed. ``torch._C._distributed_c10d._register_process_group`` / ``_unregister_process_group`` checked
+    on torch 2.13, 2.15."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    group = dist.ProcessGroup(dist.HashStore(), rank, size)
+    _register_process_group(name, group)  # the table holds it weakly: kept by the closure until unregistered
+
+    def unregister() -> None:
+        nonlocal group
+        group = None
+        try:
+            _unregister_process_group(name)
+        except RuntimeError:
+            pass
+
+    return unregister
+
+
+@contextlib.contextmanager
+def dtensor_shape_runs(flag: Any) -> Any:
+    """While the context is open, ``flag.propagating`` is true whenever ``DTensor`` works out an op's output shape
+    by running the op on fake tensors of the global shapes (``DTensor._op_dispatcher.sharding_propagator.
+    _propagate_tensor_meta_non_cached``, which enters the active fake mode again: its ops reach the modes below).
+    The propagator's method is wrapped on the instance and unwrapped on exit. Checked on torch 2.13, 2.15."""
+    from torch.distributed.tensor import DTensor
+
+    prop = DTensor._op_dispatcher.sharding_propagator
+    name = "_propagate_tensor_meta_non_cached"
+    original = getattr(type(prop), name, None)
+    if original is None or name in vars(prop):
+        yield
+        return
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        before, flag.propagating = flag.propagating, True
+        try:
+            return original(prop, *args, **kwargs)
+        finally:
+            flag.propagating = before
+
+    setattr(prop, name, wrapped)
+    try:
+        yield
+    finally:
+        delattr(prop, name)
+
+
+def interleaved_rank_ops(numbers: Any, rank: int) -> list[Any]:
+    """``ScheduleInterleaved1F1B._calculate_single_rank_operations(numbers, rank)``: the actions PyTorch's interleaved
+    schedule runs on ``rank``, computed from the numbers it reads from its stages (``numbers``: an object with
+    ``n_local_stages``, ``pp_group_size``, ``_n_microbatches``, ``number_of_rounds``, ``microbatches_per_round``).
+    Checked on torch 2.13, 2.15."""
+    from torch.distributed.pipelining import schedules
+
+    return schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(numbers, rank)
+
+
 __all__ = [
     "FAKE_TENSOR_LOGGER", "DataDependentOutputException", "DynamicOutputShapeException", "FakeCopyMode",
     "FakeTensor", "FakeTensorMode", "OpOverload", "TorchDispatchMode", "UnsupportedOperatorException",
-    "aot_autograd", "construct_script_module", "disable_current_modes", "dynamo_config", "inductor_fake_mode",
-    "inductor_partition", "min_cut_partition", "modes_ignore_compile_internals", "pop_mode", "post_grad_passes",
-    "push_mode",
+    "aot_autograd", "construct_script_module", "disable_current_modes", "dtensor_shape_runs", "dynamo_config",
+    "inductor_fake_mode", "inductor_partition", "interleaved_rank_ops", "min_cut_partition",
+    "modes_ignore_compile_internals", "offline_mesh", "pop_mode", "post_grad_passes", "push_mode", "register_group",
 ]
 
 

@@ -29,6 +29,8 @@ class Choice:
     quantize: str | None
     optimizer: Any
     global_batch: int
+    tp: int = 1  # tensor-parallel ranks
+    pp: int = 1  # pipeline stages (``accumulate`` is then the pipeline's micro-batches)
 
     @property
     def per_rank(self) -> int:
@@ -36,9 +38,15 @@ class Choice:
 
     def trace_class(self) -> tuple[Any, ...]:
         """What changes the fake run besides the micro-batch and accumulation."""
-        return (self.checkpointing, self.amp, self.lora, self.quantize, self.optimizer)
+        return (self.checkpointing, self.amp, self.lora, self.quantize, self.optimizer, self.tp, self.pp)
 
     def options(self, base: Options, gpus: int) -> Options:
+        if self.tp > 1 or self.pp > 1:  # the micro-batches are the pipeline's; ZeRO, if any, over the dp ranks
+            return base.with_(batch=self.per_rank, accumulate=self.accumulate if self.pp == 1 else 1,
+                              checkpointing=self.checkpointing, zero=self.zero,
+                              world=gpus, offload=self.offload, amp=self.amp, lora=self.lora, quantize=self.quantize,
+                              optimizer=self.optimizer if self.optimizer is not None else base.optimizer,
+                              tp=self.tp, pp=self.pp, micro_batches=self.accumulate if self.pp > 1 else None)
         return base.with_(batch=self.per_rank, accumulate=self.accumulate, checkpointing=self.checkpointing,
                           zero=self.zero, world=gpus if gpus > 1 else 1, offload=self.offload, amp=self.amp,
                           lora=self.lora, quantize=self.quantize,
@@ -57,10 +65,10 @@ class Facts:
 def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gpus: int = 1) -> Facts:
     """What ``c`` changes from a plain step of ``base`` (one micro-batch a step, nothing sharded or offloaded), with
     code and trade-offs when ``model`` (its source) is given."""
-    changes, numerics, code, trade = [], [], [], []
+    changes, numerics, code, trade = model_parallel_facts(c, gpus)
     built = _model(model)
     hf = built is not None and callable(getattr(built, "gradient_checkpointing_enable", None))
-    if c.accumulate > 1:
+    if c.accumulate > 1 and c.pp == 1:
         changes.append(f"micro-batch {c.micro} × {c.accumulate} accumulated")
         code.append(f"for micro in batch.split({c.micro}):  # {c.accumulate} micro-batches a step\n"
                     f"    (model(micro).loss / {c.accumulate}).backward()\noptimizer.step(); optimizer.zero_grad()")
@@ -114,18 +122,41 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
                      2: "deepspeed.initialize(model=model, config={'zero_optimization': {'stage': 2}, ...})",
                      3: "from torch.distributed.fsdp import fully_shard\nfor block in blocks: fully_shard(block)\n"
                         "fully_shard(model)"}[c.zero])
-    elif gpus > 1:
-        changes.append(f"DDP × {gpus}")
+    elif gpus // (c.tp * c.pp) > 1:
+        changes.append(f"DDP × {gpus // (c.tp * c.pp)}")
         code.append("model = torch.nn.parallel.DistributedDataParallel(model)")
     if c.offload:
         changes.append("optimizer state on the host")
         code.append(f"deepspeed config: {{'zero_optimization': {{'stage': {c.zero or 1}, "
                     "'offload_optimizer': {'device': 'cpu'}}}")
         trade.append("the update runs on the CPU and gradients and weights cross PCIe every step")
-    if c.global_batch and c.per_rank * gpus != c.global_batch:
-        changes.append(f"global batch {c.per_rank * gpus}")
+    if c.global_batch and c.per_rank * gpus // (c.tp * c.pp) != c.global_batch:
+        changes.append(f"global batch {c.per_rank * gpus // (c.tp * c.pp)}")
     name = ", ".join(changes) if changes else "as it is"
     return Facts(name, tuple(changes), tuple(numerics), tuple(code), tuple(trade))
+
+
+def model_parallel_facts(c: Choice, gpus: int) -> tuple[list[str], list[str], list[str], list[str]]:
+    """``(changes, numerics, code, trade-offs)`` of ``c``'s tensor and pipeline parallelism."""
+    changes: list[str] = []
+    code: list[str] = []
+    trade: list[str] = []
+    if c.tp > 1:
+        changes.append(f"tensor parallel × {c.tp}")
+        code.append("from torch.distributed.tensor.parallel import parallelize_module\n"
+                    f"mesh = init_device_mesh('cuda', ({gpus // (c.tp * c.pp) * c.pp}, {c.tp}))  # (dp·pp, tp)\n"
+                    "parallelize_module(model, mesh['tp'], plan)  # plan: ColwiseParallel / RowwiseParallel styles")
+        trade.append(f"two all-reduces of each block's activations in the forward and two in the backward across "
+                     f"{c.tp} GPUs: worth it over NVLink, slow across hosts")
+    if c.pp > 1:
+        changes.append(f"pipeline × {c.pp} ({c.accumulate} micro-batches of {c.micro}, 1F1B)")
+        code.append("from torch.distributed.pipelining import PipelineStage, Schedule1F1B\n"
+                    "stage = PipelineStage(my_blocks, rank, num_stages, device)\n"
+                    f"Schedule1F1B(stage, n_microbatches={c.accumulate}, loss_fn=loss_fn).step(batch)")
+        bubble = (c.pp - 1) / (c.accumulate + c.pp - 1)
+        trade.append(f"the pipeline's bubble: each stage idles (p − 1)/(m + p − 1) = {100 * bubble:.0f} % of the "
+                     "step; the first stage holds p micro-batches' activations")
+    return changes, [], code, trade
 
 
 def _model(source: Any) -> Any:

@@ -152,6 +152,28 @@ def pipeline_bubble(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
+def tensor_parallel(volumes: dict[str, float], tp: int, bandwidth: float, count: int = 1) -> float:
+    """Seconds of a step's tensor-parallel collectives across ``tp`` ranks: ``volumes`` the bytes each kind returns
+    on a rank over the step (``"all-reduce"``: two ring passes, Megatron's 2 per block forward and 2 backward of the
+    b·s·h activations for its plan, each moving 2(t − 1)/t of them; ``"all-gather"``, ``"reduce-scatter"``: one pass
+    of the gathered or scattered whole); ``count`` collectives in all (each at least the latency)."""
+    if tp < 2:
+        return 0.0
+    seconds = 0.0
+    for kind, volume in volumes.items():
+        passes = 2.0 if kind == "all-reduce" else 1.0
+        whole = volume * tp if kind == "reduce-scatter" else volume  # a reduce-scatter returns 1/t of what it moves
+        seconds += ring(whole, tp, bandwidth, passes=passes)
+    return max(seconds, COLLECTIVE_LATENCY * count if volumes else 0.0)
+
+
+def bubble_time(busy: float, stages: int, micro_batches: int) -> float:
+    """Seconds a pipeline stage idles in a step whose own work takes ``busy`` seconds: the bubble's share of the
+    step, ``(p − 1)/(m + p − 1)``, of a step that lasts ``busy / (1 − share)``."""
+    share = pipeline_bubble(stages, micro_batches)
+    return busy * share / (1 - share) if share < 1 else 0.0
+
+
 def summed(times: Iterable[StepTime]) -> StepTime:
     out = StepTime()
     for t in times:

@@ -27,14 +27,17 @@ from ..layouts.zero import ZeroLayout
 from ..options import Options, make_options, optimizer_name, short_dtype
 from ..plans import Plan, PlanRow, Scored
 from ..target import Target, make_target
+from ..tracing.errors import EstimateError
 from ..tracing.request import Request
 from .choices import Choice, describe
 from .cost import OpTimes, StepTime
 from .timing import Network, micro_ops, network_for, rates_for, step_time
 
 #: what ``allow=`` may name: LoRA/QLoRA (changes what is trained), weight quantization (with LoRA), another
-#: optimizer, a smaller global batch
-ALLOWED = ("lora", "quantize", "optimizer", "batch")
+#: optimizer, a smaller global batch, tensor and pipeline parallelism over the GPUs
+ALLOWED = ("lora", "quantize", "optimizer", "batch", "parallel")
+#: a combination the model cannot run (no tensor-parallel plan, no stages to split): never fits
+UNFIT = 1 << 62
 #: micro-batch sizes tried per trace class at most
 MAX_MICRO = 6
 #: exact estimates made at most to fill the rows shown
@@ -101,6 +104,8 @@ class Planner:
         key = c.trace_class()
         if key not in self.anchors:
             whole = replace(c, micro=c.per_rank, accumulate=1, zero=None, offload=False)
+            if c.pp > 1:  # a pipeline's anchor: as many micro-batches as stages, the largest they can be
+                whole = replace(whole, micro=c.per_rank // c.pp, accumulate=c.pp)
             self.say(f"tracing {describe(whole, self.base).name}")
             est = self.workload.evaluate(self.options(whole))
             trace = self.workload.trace(self.options(whole))
@@ -112,11 +117,17 @@ class Planner:
         """``(needed, time)`` of ``c`` from its class's anchor: the activations and the ops' times scaled to the
         micro-batch (accumulation keeping every gradient alive into the next micro-batch), the layout's share of the
         model states and its buffers computed."""
+        if c.tp > 1 or c.pp > 1:
+            try:
+                a = self.anchor(c)
+            except (ValueError, TypeError, EstimateError) as err:  # the model does not split this way
+                self.say(f"{describe(c, self.base).name}: {err}")
+                return UNFIT, StepTime()
         a = self.anchor(c)
         share = c.micro / a.micro
         needed = a.needed - a.activations * (1 - share)
         opts = self.options(c)
-        if c.accumulate > 1:
+        if c.accumulate > 1 and c.pp == 1:
             needed += a.trace.grad_bytes
         ops = OpTimes(a.ops.compute * share, a.ops.memory * share, a.ops.recompute * share, a.ops.optimizer)
         layout = ZeroLayout.of(opts, a.trace)
@@ -150,7 +161,7 @@ def choices(base: Options, per_rank: int, global_batch: int, gpus: int, allow: f
     layouts: list[tuple[int | None, bool]] = [(None, o) for o in offloads]
     if gpus > 1:
         layouts += [(z, o) for z in (1, 2, 3) for o in offloads]
-    out = []
+    out = model_parallel_choices(base, global_batch, gpus, "parallel" in allow)
     for g in batches:
         rank_batch = g // gpus
         for m in micro_sizes(rank_batch):
@@ -160,6 +171,29 @@ def choices(base: Options, per_rank: int, global_batch: int, gpus: int, allow: f
                         for opt in optimizers:
                             for zero, off in layouts:
                                 out.append(Choice(m, rank_batch // m, ck, zero, off, amp, lora, quant, opt, g))
+    return out
+
+
+def model_parallel_choices(base: Options, global_batch: int, gpus: int, allowed: bool) -> list[Choice]:
+    """Tensor parallelism over 2, 4 or 8 of the GPUs and pipelines of 2 or 4 stages (1F1B with p, 2p or 4p
+    micro-batches), DDP over the rest, with and without checkpointing (with ``allow="parallel"``)."""
+    if not allowed or gpus < 2:
+        return []
+    out = []
+    for tp in (1, 2, 4, 8):
+        for pp in (1, 2, 4):
+            if tp * pp == 1 or gpus % (tp * pp):
+                continue
+            dp = gpus // (tp * pp)
+            if global_batch % dp:
+                continue
+            rank_batch = global_batch // dp
+            splits = [(m, rank_batch // m) for m in micro_sizes(rank_batch)] if pp == 1 else \
+                [(rank_batch // m, m) for m in (pp, 2 * pp, 4 * pp) if rank_batch % m == 0]
+            for micro, acc in splits:
+                for ck in (False, True):
+                    out.append(Choice(micro, acc, ck, None, False, None, base.lora, base.quantize, None,
+                                      global_batch, tp=tp, pp=pp))
     return out
 
 
@@ -280,6 +314,11 @@ def _kwargs(c: Choice, planner: Planner) -> dict[str, Any]:
         out["world"] = planner.gpus
     if c.offload:
         out["offload"] = True
+    if c.tp > 1:
+        out["tp"] = c.tp
+    if c.pp > 1:  # the pipeline's micro-batches, not accumulation
+        out.pop("accumulate", None)
+        out.update(pp=c.pp, micro_batches=c.accumulate)
     if c.lora:
         out["lora"] = c.lora
     if c.quantize:

@@ -17,7 +17,7 @@ from ..options import Options
 from ..target.gpus import GPU
 from ..tracing.oplog import OpLog
 from ..tracing.traced import Trace
-from .cost import GPUS_PER_HOST, OpTimes, StepTime, data_parallel, offload, time_ops
+from .cost import GPUS_PER_HOST, OpTimes, StepTime, bubble_time, data_parallel, offload, tensor_parallel, time_ops
 from .rates import Rates, cpu_rates, gpu_rates
 
 GB = 1e9
@@ -97,7 +97,7 @@ def step_time(ops: OpTimes, opts: Options, trace: Trace, net: Network) -> StepTi
     """An optimizer step (or one inference forward) of ``opts``: ``ops`` of one micro-batch times the micro-batches,
     the update (sharded by ZeRO; on the host with offload), the collectives and the transfers."""
     micro = 1 if opts.inference else opts.accumulate
-    world = opts.world if opts.world > 1 else 1
+    world = opts.dp if opts.parallel else (opts.world if opts.world > 1 else 1)  # data parallelism over dp ranks
     optimizer = ops.optimizer / world if opts.zero else ops.optimizer
     transfers = 0.0
     if opts.offload and not opts.inference:
@@ -106,8 +106,24 @@ def step_time(ops: OpTimes, opts: Options, trace: Trace, net: Network) -> StepTi
                                        net.ranks_per_host, trace.param_count / shard)
     collectives = 0.0 if opts.inference else data_parallel(opts.zero, world, trace.param_bytes, trace.grad_bytes,
                                                            micro, net.link)
+    bubble = 0.0
+    if opts.parallel and not opts.inference:  # the rank's trace holds its stage's micro-batches and its shards'
+        collectives += model_parallel_time(trace, opts, net.link)
+        bubble = bubble_time((ops.compute + ops.memory + ops.recompute) * micro, opts.pp, opts.micro_batches or opts.pp)
     return StepTime(compute=ops.compute * micro, memory=ops.memory * micro, recompute=ops.recompute * micro,
-                    optimizer=optimizer, transfers=transfers, collectives=collectives)
+                    optimizer=optimizer, transfers=transfers, collectives=collectives, bubble=bubble)
+
+
+def model_parallel_time(trace: Trace, opts: Options, link: float) -> float:
+    """Seconds of a tensor- and pipeline-parallel rank's own communication per step: the tensor-parallel
+    collectives its trace made (``cost.tensor_parallel``); a pipeline's sends of one micro-batch's activations
+    overlap the next micro-batch's compute and are not counted."""
+    if opts.tp < 2:
+        return 0.0
+    from ..layouts.tensor import collective_volumes
+
+    volumes, count = collective_volumes(trace)
+    return tensor_parallel({k: float(v) for k, v in volumes.items()}, opts.tp, link, count)
 
 
 def _rows(log: OpLog, start: int, end: int) -> OpLog:
@@ -148,5 +164,5 @@ def generate_time(trace: Trace, rates: Rates, new_tokens: int) -> StepTime:
     return StepTime(compute=compute, memory=memory)
 
 
-__all__ = ["INTERCONNECTS", "NETWORKS", "Network", "generate_time", "micro_ops", "network_for", "rates_for",
-           "step_time"]
+__all__ = ["INTERCONNECTS", "NETWORKS", "Network", "generate_time", "micro_ops", "model_parallel_time", "network_for",
+           "rates_for", "step_time"]

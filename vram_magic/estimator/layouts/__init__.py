@@ -1,6 +1,8 @@
 """How one rank's share of a traced step is computed: each layout says which of the traced storages a rank holds and
 at what size, the buffers its collectives add and when they are alive, and the model states it keeps. Data parallelism
-(replicated, ZeRO, FSDP; ``zero.py``) is the first layout."""
+(replicated, ZeRO, FSDP; ``zero.py``) is the first layout; a tensor- or pipeline-parallel rank is traced as that rank
+(``tensor.py``, ``pipeline.py``, ``rank_trace.py``) and replayed with ZeRO over its data-parallel group
+(``model_parallel.py``)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,10 @@ class Layout(Protocol):
 
 def layout_for(opts: Options, trace: Trace) -> Layout:
     """The layout ``opts`` ask for."""
+    if opts.parallel:  # the trace is one rank's of a tensor- or pipeline-parallel job (rank_trace.py)
+        from .model_parallel import ModelParallelLayout
+
+        return ModelParallelLayout.of(opts, trace)
     from .zero import ZeroLayout
 
     return ZeroLayout.of(opts, trace)

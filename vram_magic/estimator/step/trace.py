@@ -75,7 +75,9 @@ def trace_step(request: Request, opts: Options, sdpa: tuple[tuple[int, int], boo
 
 
 def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float, sdpa: Any) -> Trace:
-    step = _FakeStep(request, opts, mode)
+    from ..layouts.rank_trace import rank_trace
+
+    step = _FakeStep(request, opts, mode, rank_trace(opts))
     step.build()
     step.prepare()
     if sdpa is not None:
@@ -119,8 +121,9 @@ class _FakeStep:
     the storages alive before the step and the tracer (:meth:`prepare`), the steps under the tracer
     (:meth:`run`), and the plain numbers they leave (:meth:`result`)."""
 
-    def __init__(self, request: Request, opts: Options, mode: FakeTensorMode) -> None:
+    def __init__(self, request: Request, opts: Options, mode: FakeTensorMode, parallel: Any = None) -> None:
         self.request, self.opts, self.mode = request, opts, mode
+        self.parallel = parallel  # one rank of a tensor- or pipeline-parallel job (layouts/rank_trace.py), or None
         self.owner: dict[int, tuple[str, str]] = {}
         self.marks: dict[str, int] = {}
         self.host_scalars: set[int] = set()
@@ -149,6 +152,9 @@ class _FakeStep:
             model.eval()
         else:
             model.train()
+        if self.parallel is not None:
+            model = self.parallel.build(self, model, checkpoint_units)
+            self.notes += self.parallel.notes
         self.units = checkpoint_units(model)
         if opts.checkpointing and not opts.inference:
             self.notes.append("checkpointing: " + enable_checkpointing(model, self.units, int(opts.checkpointing)))
@@ -183,12 +189,16 @@ class _FakeStep:
             self.optimizer
         self.names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
         self.runner = self._runner()
-        self.tracer = StepTracer(self.registry, self.names)
+        if self.parallel is not None:
+            self.parallel.prepare(self)
+        self.tracer = (self.parallel.tracer if self.parallel is not None else StepTracer)(self.registry, self.names)
         self.tracer.target = opts.device
         self.tracer.input_keys = {id(t.untyped_storage()) for t in tensors_in(self.inputs) if t.layout == torch.strided}
 
     def claim(self, t: Any, cat: tuple[str, str]) -> int | None:
         """``t``'s storage counted as ``cat`` (unless something claimed it first); its serial."""
+        if self.parallel is not None:
+            t = self.parallel.local(t)
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
             return None
         entry = self.registry.add(t.untyped_storage())
@@ -259,7 +269,9 @@ class _FakeStep:
         """A training step: forward, loss and backward of each micro-batch, the optimizer step, ``zero_grad``."""
         tracer, marks, optimizer = self.tracer, self.marks, self.optimizer
         loss_fn = self.request.loss_fn or self._stated_loss
-        for micro in range(self.n_micro):
+        out = loss = None
+        piped = self.parallel is not None and self.parallel.forward_backward(self, last)
+        for micro in range(0 if piped else self.n_micro):
             out = loss = None  # the previous micro-batch's output lives until this one replaces it
             tracer.stage = FORWARD
             with self.amp:
@@ -291,6 +303,10 @@ class _FakeStep:
         self.updater.zero_grad(set_to_none=True)
         del out, loss  # as a loop that ends each step with `del out, loss` (or returns) does
 
+    def _bytes(self, p: Any) -> int:
+        """A parameter's bytes on this rank (a tensor-parallel shard's own)."""
+        return self.parallel.local_bytes(p) if self.parallel is not None else p.numel() * p.element_size()
+
     def _stated_loss(self, output: Any) -> torch.Tensor:
         loss, self.loss_used = stand_in_loss(output)
         return loss
@@ -301,6 +317,8 @@ class _FakeStep:
 
         opts, tracer, owner = self.opts, self.tracer, self.owner
         sizes, module = _label_storages(tracer, owner, self.names, self.model)
+        if self.parallel is not None:
+            self.parallel.finish(tracer, owner)
         if tracer.attention is not None:
             note = tracer.attention.note()
             if note:
@@ -321,9 +339,9 @@ class _FakeStep:
             uses_matmul=tracer.matmul, batch=self.batch, seq=self.seq, micro_batch=self.micro_batch,
             param_count=count_parameters(self.model),
             param_bytes=sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "parameters"),
-            grad_bytes=sum(p.numel() * p.element_size() for p in self.trainable) if not opts.inference else 0,
+            grad_bytes=sum(self._bytes(p) for p in self.trainable) if not opts.inference else 0,
             state_bytes=sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "optimizer_state"),
-            unit_param_bytes=_unit_bytes(self.units), wall=time.perf_counter() - t0,
+            unit_param_bytes=_unit_bytes(self.units, self._bytes), wall=time.perf_counter() - t0,
             loss="" if opts.inference else describe_loss(self.loss_used, self.model, self.specs), notes=self.notes,
             answered=tracer.answered, ops=tracer.ops, ops_start=self.ops_start, micro_steps=self.n_micro,
         )
@@ -351,7 +369,7 @@ def _label_storages(tracer: StepTracer, owner: dict[int, tuple[str, str]], names
     return sizes, module
 
 
-def _unit_bytes(units: list[nn.Module]) -> list[int]:
+def _unit_bytes(units: list[nn.Module], nbytes: Callable[[Any], int]) -> list[int]:
     """Bytes of each checkpoint/sharding unit's parameters (a parameter shared by two counted in the first)."""
     seen: set[int] = set()
     unit_bytes = []
@@ -360,7 +378,7 @@ def _unit_bytes(units: list[nn.Module]) -> list[int]:
         for p in u.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                n += p.numel() * p.element_size()
+                n += nbytes(p)
         unit_bytes.append(n)
     return unit_bytes
 

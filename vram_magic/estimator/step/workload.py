@@ -50,6 +50,10 @@ class StepWorkload:
         return trace
 
     def evaluate(self, opts: Options) -> StepEstimate:
+        if opts.parallel:  # a tensor- or pipeline-parallel job: one trace per rank's role
+            from .ranks import evaluate_ranks
+
+            return evaluate_ranks(self, opts)
         trace = self.trace(opts)
         r = from_trace(trace, opts, self.target)
         gpu = self.target.gpu

@@ -1,0 +1,291 @@
+"""Pipeline parallelism as ``torch.distributed.pipelining`` runs it, traced per rank.
+
+The model's children (an ``nn.Sequential``) are split into stages, at the user's split points or evenly by blocks
+(the longest run of like layers; what comes before the blocks joins the first stage, what comes after the last).
+Each rank's step is traced on its own stages' modules, as a ``PipelineStage`` and its schedule run them on one rank:
+
+* one receive buffer per micro-batch, allocated once and kept, for the activations of the stage before (every stage
+  but the first; a leaf that requires grad) and for the gradients of the stage after (every stage but the last);
+* the first stage's micro-batches are views of the batch (``tensor_split``); the last stage computes the loss of
+  each micro-batch and keeps its outputs for the merged output (their concatenation, which ``step()`` returns);
+* the forwards and backwards in the schedule's order (:func:`actions`): ``ScheduleGPipe`` every forward before any
+  backward; ``Schedule1F1B`` ``min(m, p − i)`` warm-up forwards on stage i, then one backward and one forward;
+  ``ScheduleInterleaved1F1B`` the order PyTorch computes for the rank (its own function, read from the installed
+  release); a stage keeps a micro-batch's output and inputs from its forward to its backward;
+* a send needs no memory of its own, but its work holds the tensor it sent: GPipe's lists of sends, and the
+  interleaved runtime's, hold every sent output and input gradient until the step's end; 1F1B holds the last send
+  fired in the warm-up (micro-batch ``w − 2``) until the step's end, the send ops of the latest forward until the
+  next forward, and those of the latest backward (its input's gradient, which PyTorch takes off the receive buffer:
+  ``stage_backward`` sets ``val.grad = None``) until the next backward;
+* the gradients are divided by the number of micro-batches in place (``scale_grads``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...engine.pipeline import MERGED, outputs_role, received_role
+from ..options import SCHEDULES
+from ..tracing.tracer import BACKWARD, FORWARD, LOSS
+
+#: PyTorch's class for each schedule
+SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B"}
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which of the model's children each stage runs: ``stages[s]`` is a range of child indices."""
+
+    stages: tuple[range, ...]
+    names: tuple[str, ...]  # the children's names
+
+    def describe(self, stage: int) -> str:
+        r = self.stages[stage]
+        first, last = self.names[r.start], self.names[r.stop - 1]
+        return f"stage {stage}: {first}" if r.start == r.stop - 1 else f"stage {stage}: {first}–{last}"
+
+
+def split(model: nn.Module, stages: int, split_points: tuple[str, ...] = (), units_of: Any = None) -> Split:
+    """The stages of ``model`` (``units_of(model)``: its blocks); ``ValueError`` for a model that is no
+    ``nn.Sequential``, unknown split points, or more stages than blocks."""
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"pipeline parallelism splits an nn.Sequential into stages (its children run one after the "
+                         f"other, as torch.distributed.pipelining's manual stages do); {type(model).__name__} is not "
+                         "one: pass the model as nn.Sequential(embedding, *blocks, head), or estimate it with pp=1")
+    names = tuple(n for n, _ in model.named_children())
+    children = list(model.children())
+    if split_points:
+        at = []
+        for point in split_points:
+            head = point.split(".")[0]
+            if head not in names:
+                raise ValueError(f"split point {point!r} is no child of the model (its children: "
+                                 f"{', '.join(names[:6])}{'…' if len(names) > 6 else ''})")
+            at.append(names.index(head))
+        at = sorted(set(at))
+        if at[0] == 0:
+            raise ValueError(f"split point {names[0]!r} is the model's first child: a stage begins at each split "
+                             "point, and the first stage at the first child")
+        bounds = [0, *at, len(children)]
+        return Split(tuple(range(a, b) for a, b in zip(bounds, bounds[1:])), names)
+    units = {id(u) for u in (units_of(model) if units_of is not None else children)}
+    blocks = [i for i, c in enumerate(children) if id(c) in units]
+    if len(blocks) < stages:
+        raise ValueError(f"pp={stages} needs at least {stages} blocks to split; {type(model).__name__} has "
+                         f"{len(blocks)} ({', '.join(names[i] for i in blocks[:4])}…)" if blocks else
+                         f"pp={stages}: the model has no blocks to split")
+    per, extra = divmod(len(blocks), stages)
+    starts, at = [], 0
+    for s in range(stages):
+        starts.append(blocks[at])
+        at += per + (1 if s < extra else 0)
+    starts[0] = 0  # what comes before the blocks joins the first stage
+    bounds = [*starts, len(children)]
+    return Split(tuple(range(a, b) for a, b in zip(bounds, bounds[1:])), names)
+
+
+def stages_of(rank: int, ranks: int, n_stages: int) -> list[int]:
+    """The stages rank ``rank`` holds: one, or under the interleaved schedule ``rank``, ``rank + p``, …"""
+    return list(range(rank, n_stages, ranks))
+
+
+def check_micro_batches(schedule: str, m: int, ranks: int, n_stages: int, batch: int | None) -> None:
+    """``ValueError`` where PyTorch's schedule would refuse ``m`` micro-batches, or the batch does not split."""
+    if schedule == "1f1b" and m < ranks:
+        raise ValueError(f"Schedule1F1B needs at least as many micro-batches as stages: micro_batches={m} < pp={ranks}")
+    if schedule == "interleaved":
+        rounds = max(1, m // ranks)
+        if m % rounds:
+            raise ValueError(f"ScheduleInterleaved1F1B needs micro_batches a multiple of its rounds ({rounds}): "
+                             f"{m} is not")
+    if batch is not None and batch % m:
+        raise ValueError(f"the batch ({batch}) does not split into {m} equal micro-batches")
+
+
+def actions(schedule: str, rank: int, ranks: int, m: int, n_stages: int) -> list[tuple[str, int, int]]:
+    """``(kind, stage, micro-batch)`` in the order rank ``rank`` runs them (``kind``: "F" or "B")."""
+    if schedule == "gpipe":
+        return [("F", rank, j) for j in range(m)] + [("B", rank, j) for j in range(m)]
+    if schedule == "1f1b":
+        warmup = min(m, ranks - rank)
+        out = [("F", rank, j) for j in range(warmup)]
+        f, b = warmup, 0
+        while b < m:
+            out.append(("B", rank, b))
+            b += 1
+            if f < m:
+                out.append(("F", rank, f))
+                f += 1
+        return out
+    return interleaved_actions(rank, ranks, m, n_stages)
+
+
+def interleaved_actions(rank: int, ranks: int, m: int, n_stages: int) -> list[tuple[str, int, int]]:
+    """The rank's forwards and backwards under ``ScheduleInterleaved1F1B``, as PyTorch computes them
+    (``_calculate_single_rank_operations``, called on the numbers it reads from its stages; torch 2.13, 2.15)."""
+    from ..torch_private import interleaved_rank_ops
+
+    rounds = max(1, m // ranks)
+    numbers = SimpleNamespace(n_local_stages=n_stages // ranks, pp_group_size=ranks, _n_microbatches=m,
+                              number_of_rounds=rounds, microbatches_per_round=m // rounds)
+    try:
+        ops = interleaved_rank_ops(numbers, rank)
+    except (AttributeError, TypeError) as err:
+        raise ValueError(f"the interleaved schedule's order could not be read from this PyTorch "
+                         f"({torch.__version__}): {err}; estimate it with schedule='1f1b'") from err
+    out = []
+    for op in ops:
+        if op is None:
+            continue
+        kind = str(getattr(op.computation_type, "value", op.computation_type))
+        if kind in ("F", "B"):
+            out.append((kind, int(op.stage_index), int(op.microbatch_index)))
+    return out
+
+
+@dataclass
+class StageOnRank:
+    """One stage as its rank holds it: its module, its receive buffers, what is kept between its actions."""
+
+    index: int
+    module: nn.Module
+    first: bool
+    last: bool
+    received: list[torch.Tensor]  # activations from the stage before, one per micro-batch
+    grads_in: list[torch.Tensor]  # gradients from the stage after, one per micro-batch
+
+
+def make_stages(model: nn.Sequential, cut: Split, mine: list[int], micro: torch.Tensor, m: int,
+                has_backward: bool) -> list[StageOnRank]:
+    """The rank's stages with their receive buffers, shaped by running the stages before on one fake micro-batch
+    (no grad): what ``PipelineStage`` infers in its first step."""
+    children = list(model.children())
+    n = len(cut.stages)
+    shapes: list[tuple[Any, Any]] = []  # (input, output) per stage
+    with torch.no_grad():
+        x = micro
+        for r in cut.stages:
+            y = x
+            for i in r:
+                y = children[i](y)
+            shapes.append((x, y))
+            x = y
+    out = []
+    for s in mine:
+        r = cut.stages[s]
+        module = nn.Sequential(*[children[i] for i in r])
+        inp, outp = shapes[s]
+        received = [] if s == 0 else [torch.empty(inp.shape, dtype=inp.dtype).requires_grad_(has_backward)
+                                      for _ in range(m)]
+        grads_in = [] if s == n - 1 or not has_backward else [torch.empty(outp.shape, dtype=outp.dtype)
+                                                              for _ in range(m)]
+        out.append(StageOnRank(s, module, s == 0, s == n - 1, received, grads_in))
+    return out
+
+
+class PipelineRank:
+    """The forwards and backwards of one rank's stages in its schedule's order, on fake tensors under the step
+    tracer (the step's optimizer, ``zero_grad`` and marks are the step's own)."""
+
+    def __init__(self, stages: list[StageOnRank], order: list[tuple[str, int, int]], m: int, schedule: str,
+                 ranks: int) -> None:
+        self.stages = {s.index: s for s in stages}
+        self.order, self.m, self.schedule, self.ranks = order, m, schedule, ranks
+        self.kept: list[Any] = []  # what outlives the step: the last stage's outputs, the sent-back gradients
+
+    def claims(self) -> list[tuple[torch.Tensor, tuple[str, str]]]:
+        """The receive buffers, alive from the first step on."""
+        out = []
+        for s in self.stages.values():
+            out += [(t, received_role(s.index, "activations")) for t in s.received]
+            out += [(t, received_role(s.index, "gradients")) for t in s.grads_in]
+        return out
+
+    def run(self, step: Any, batch: Any, last: bool) -> None:
+        """One step's forwards and backwards (``batch``: the first stage's input, split into micro-batches)."""
+        tracer, claim = step.tracer, step.claim
+        loss_fn = step.request.loss_fn or _stated(step)
+        micro = torch.tensor_split(batch, self.m) if batch is not None else [None] * self.m
+        cache: dict[tuple[int, int], tuple[Any, Any]] = {}
+        losses: dict[tuple[int, int], Any] = {}
+        outputs: dict[int, list[Any]] = {s: [] for s in self.stages}
+        held: list[Any] = []  # sent outputs whose works the schedule keeps until the step's end
+        warm_send: Any = None
+        latest_send: Any = None
+        bwd_send: Any = None
+        self.kept = []
+        forwards = sum(1 for kind, _, _ in self.order if kind == "F")
+        done = 0
+        for kind, s, j in self.order:
+            stage = self.stages[s]
+            if kind == "F":
+                tracer.stage = FORWARD
+                inp = micro[j] if stage.first else stage.received[j]
+                out = stage.module(inp)
+                cache[(s, j)] = (out, inp)
+                if stage.last:
+                    outputs[s].append(out)
+                    claim(out, outputs_role(s))
+                    tracer.stage = LOSS
+                    losses[(s, j)] = loss_fn(out)
+                elif self.schedule == "1f1b":
+                    if j < min(self.m, self.ranks - s) - 1:  # fired in the warm-up
+                        warm_send = out
+                    latest_send = out
+                else:
+                    held.append(out)
+                done += 1
+                if done == forwards and last:
+                    step.marks["forward_end"] = len(tracer.events)
+                del out, inp
+            else:
+                tracer.stage = BACKWARD
+                out, inp = cache.pop((s, j))
+                if stage.last:
+                    torch.autograd.backward(losses.pop((s, j)))
+                else:
+                    torch.autograd.backward(out, grad_tensors=stage.grads_in[j])
+                if not stage.first:  # the input's gradient, sent back: PyTorch takes it off the buffer
+                    grad, inp.grad = inp.grad, None
+                    if self.schedule == "1f1b":
+                        bwd_send = grad  # the send ops of the latest backward, until the next one's
+                    else:
+                        held.append(grad)
+                    del grad
+                for p in stage.module.parameters():
+                    claim(p.grad, ("gradients", "gradients"))
+                if stage.last and not stage.first:
+                    out.detach_()
+                del out, inp
+        for outs in outputs.values():
+            if outs:
+                merged = torch.cat(outs)  # what step() returns; the caller lets go of it
+                claim(merged, MERGED)
+                del merged
+                self.kept.extend(outs)
+        with torch.no_grad():
+            for stage in self.stages.values():
+                for p in stage.module.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(self.m)
+        del held, warm_send, latest_send, bwd_send, outputs, cache, losses
+
+
+def _stated(step: Any) -> Any:
+    """The stand-in loss a step uses when none is given, noting which it was."""
+    from ..tracing.loss import stand_in_loss
+
+    def loss(output: Any) -> torch.Tensor:
+        value, step.loss_used = stand_in_loss(output)
+        return value
+
+    return loss
+
+
+__all__ = ["SCHEDULES", "SCHEDULE_CLASSES", "PipelineRank", "Split", "StageOnRank", "actions", "check_micro_batches",
+           "interleaved_actions", "make_stages", "split", "stages_of"]
