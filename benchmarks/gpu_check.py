@@ -18,7 +18,10 @@
    nothing recompiles, and the cell's peak matches ``max_memory_allocated`` of the same step unmeasured;
 6. **cuDNN's workspace** beyond each convolution's tensors, forward and backward, per distinct convolution of the
    zoo's conv models, with ``cudnn.benchmark`` off and on: the figures that should replace the estimator's
-   constant (``CUDNN_WORKSPACE``, 64 MiB per convolution).
+   constant (``CUDNN_WORKSPACE``, 64 MiB per convolution);
+7. **the planner's time model**: a small GPT-2 (transformers, 6 × 768, batch 8 × 1024, AdamW) as it is, with
+   checkpointing and under bf16 autocast, each plan's predicted step time (the detected GPU's catalogue figures,
+   uncalibrated) beside the median of 10 real steps; the fastest-to-slowest order must agree.
 
 ``--report FILE`` writes the tables to a file too. The exit status is 1 if any check failed.
 """
@@ -521,6 +524,96 @@ def cudnn_workspace(out: list[str], dry: bool, deadline: float) -> Table:
     return t
 
 
+# --- 7. the planner's time model against real steps -------------------------------------------------------------
+#: three plans of one model: estimate()'s options, as a plan row carries them
+TIME_PLANS = {"as it is (fp32)": {}, "checkpointing": {"checkpointing": True}, "bf16 autocast": {"amp": "bf16"}}
+
+
+def plan_time_one(dry: bool) -> None:
+    """A small GPT-2 (transformers), three plans: each one's predicted step time (its estimate's trace timed by the
+    planner's own functions, as a plan row's time) and the median of its real steps; prints a JSON line. A dry run
+    predicts for the H100 entry and steps a tiny one (vocabulary 512) on the CPU."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import vram_magic
+    from vram_magic.estimator.explore.rates import gpu_rates
+    from vram_magic.estimator.explore.timing import micro_ops, network_for, step_time
+    from vram_magic.estimator.target.gpus import find_gpu
+
+    layers, batch, seq, rounds = (2, 2, 64, 1) if dry else (6, 8, 1024, 10)
+    # a dry run's vocabulary is small: bf16 matmuls on a CPU without AVX-512 run at a fraction of a GFLOP/s
+    config = GPT2Config(n_layer=layers, n_embd=768, n_head=12, n_positions=seq, **({"vocab_size": 512} if dry else {}))
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    gpu = find_gpu("H100-80GB") if dry else detected_gpu()
+    if not gpu.peaks:
+        print(json.dumps({"skip": f"{gpu.name} is not in the catalogue: no peaks to time with"}))
+        return
+    dev = "cpu" if dry else "cuda"
+    out = {"gpu": gpu.name, "model": f"GPT-2 {layers} x 768, batch {batch} x {seq}, AdamW", "rows": {}}
+    for name, opts in TIME_PLANS.items():
+        est = vram_magic.estimate(lambda: GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}, gpu=gpu, **opts)
+        trace = est.rerun.trace(est.options)
+        predicted = step_time(micro_ops(trace, gpu_rates(gpu)), est.options, trace, network_for(gpu, 1)).total
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(config).to(dev)
+        if opts.get("checkpointing"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        opt = torch.optim.AdamW(model.parameters())
+        x = ids.to(dev)
+        times = []
+        for i in range(rounds + 2):  # two warm-up steps
+            t0 = time.perf_counter()
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled="amp" in opts):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        out["rows"][name] = {"predicted": predicted, "measured": statistics.median(times)}
+        del model, opt, loss
+    print(json.dumps(out))
+
+
+def plan_times(env: dict[str, str], out: list[str], dry: bool, deadline: float) -> Table:
+    t = Table("the planner's time model: predicted vs measured step time, three plans (uncalibrated; the ranking "
+              "must agree)", out)
+    left = deadline - time.monotonic()
+    if left < 30:
+        t.add("three plans of a small GPT-2", "SKIP", "out of time")
+        return t
+    if importlib.util.find_spec("transformers") is None:
+        t.add("three plans of a small GPT-2", "SKIP", "transformers is not installed")
+        return t
+    cmd = [sys.executable, os.path.abspath(__file__), "--plan-time-one"] + (["--dry-run"] if dry else [])
+    try:
+        done = run(cmd, min(left, 240), env)
+    except subprocess.TimeoutExpired:
+        t.add("three plans of a small GPT-2", "FAIL", "timed out")
+        return t
+    if done.returncode != 0:
+        t.add("three plans of a small GPT-2", "FAIL", (done.stderr.strip().splitlines() or ["?"])[-1][:150])
+        return t
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    if "skip" in r:
+        t.add("three plans of a small GPT-2", "SKIP", r["skip"])
+        return t
+    rows = r["rows"]
+    for name, v in rows.items():
+        t.add(f"{name}: {r['model']}", "INFO", f"predicted {v['predicted'] * 1e3:.1f} ms ({r['gpu']}), measured "
+              f"{v['measured'] * 1e3:.1f} ms{' on the CPU (dry run)' if dry else ''} "
+              f"(measured / predicted ×{v['measured'] / v['predicted']:.2f})")
+    by_predicted = sorted(rows, key=lambda k: rows[k]["predicted"])
+    by_measured = sorted(rows, key=lambda k: rows[k]["measured"])
+    same = by_predicted == by_measured
+    t.add("fastest to slowest", "SKIP" if dry else ("PASS" if same else "FAIL"),
+          f"predicted {' < '.join(by_predicted)}; measured {' < '.join(by_measured)}")
+    return t
+
+
 def download_wheels(target: str) -> int:
     """Wheels for a Python 3.12 x86-64 Linux box with PyTorch but no package index (see docs/cuda.md)."""
     os.makedirs(target, exist_ok=True)
@@ -538,10 +631,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--download-wheels", metavar="DIR", help="download the wheels a GPU box needs, then exit")
     p.add_argument("--report", metavar="FILE", help="also write the tables to FILE")
     p.add_argument("--estimate-one", metavar="MODEL", help=argparse.SUPPRESS)
+    p.add_argument("--plan-time-one", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)  # this checkout's vram_magic, installed or not
     if args.estimate_one:
         estimate_one(args.estimate_one, args.dry_run)
+        return 0
+    if args.plan_time_one:
+        plan_time_one(args.dry_run)
         return 0
     if args.download_wheels:
         return download_wheels(args.download_wheels)
@@ -571,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     tables.append(compiled_model(out, args.dry_run or not has_gpu, deadline))
     tables[-1].print()
     tables.append(cudnn_workspace(out, args.dry_run or not has_gpu, deadline))
+    tables[-1].print()
+    tables.append(plan_times(env, out, args.dry_run or not has_gpu, deadline))
     tables[-1].print()
     failed = [t.title for t in tables if t.failed]
     summary = f"== {'FAIL: ' + '; '.join(failed) if failed else 'all checks passed or skipped'} " \
