@@ -14,13 +14,17 @@ the fixed work at the start and end of a block (scans, trace, report).
 2. An empty ``%%vram`` cell with 300 modules in the namespace, against the same cell without the magic.
    Target: at most 5 ms more.
 3. A loop of small ops in one measured block: 500 AdamW steps of a tiny MLP. Target: <= x1.5.
-4. An optimizer-step cell: ``opt.step()`` alone, AdamW over 60 parameter tensors. Target: <= x1.5.
+4. An optimizer-step cell: ``opt.step()`` alone, AdamW over 60 parameter tensors. Target: <= x1.5; the tracker
+   over an empty dispatch mode <= x1.05.
+5. The tracker's own cost on tiny ops: 200 AdamW steps of part 3's MLP in one block, against the same loop under an
+   empty dispatch mode (CPU time is the steadier figure). Target: <= x1.05.
 """
 
 from __future__ import annotations
 
 import argparse
 import operator
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -155,21 +159,30 @@ def empty_cell_overhead(modules: int = 300, rounds: int = 80) -> dict[str, float
     return out
 
 
-def small_op_loop(steps: int = 500, rounds: int = 3) -> dict[str, float]:
-    """Many small ops in one measured block: a 256-wide MLP trained for ``steps`` AdamW steps (the per-op cost
-    dominates when kernels are tiny)."""
+def _tiny_mlp() -> tuple[dict[str, object], Callable[[int], None]]:
+    """Part 3's model and data, and ``loop(steps)``: that many AdamW steps."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
                                 torch.nn.ReLU(), torch.nn.Linear(256, 10))
     opt = torch.optim.AdamW(model.parameters())
     x, y = torch.randn(32, 256), torch.randint(0, 10, (32,))
-    ns = {"model": model, "opt": opt, "x": x, "y": y}
 
-    def loop() -> None:
+    def loop(steps: int) -> None:
         for _ in range(steps):
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+
+    return {"model": model, "opt": opt, "x": x, "y": y}, loop
+
+
+def small_op_loop(steps: int = 500, rounds: int = 3) -> dict[str, float]:
+    """Many small ops in one measured block: a 256-wide MLP trained for ``steps`` AdamW steps (the per-op cost
+    dominates when kernels are tiny)."""
+    ns, run = _tiny_mlp()
+
+    def loop() -> None:
+        run(steps)
 
     def measured() -> None:
         with vram_magic.measure(namespace=ns):
@@ -199,6 +212,29 @@ def small_op_loop(steps: int = 500, rounds: int = 3) -> dict[str, float]:
     return out
 
 
+def tracker_on_tiny_ops(steps: int = 200, rounds: int = 15) -> dict[str, float]:
+    """The tracker's own cost where every op is tiny: ``steps`` AdamW steps of part 3's MLP in one measured block,
+    paired with the same loop under an empty dispatch mode (without PyTorch's dynamo wrapper, as the tracker
+    runs)."""
+    ns, run = _tiny_mlp()
+
+    def empty_mode() -> None:
+        with EmptyModeNoDynamoWrapper():
+            run(steps)
+
+    def measured() -> None:
+        with vram_magic.measure(namespace=ns):
+            run(steps)
+
+    wall, cpu = _rounds({"empty dispatch mode, no dynamo wrapper": empty_mode, "measure()": measured}, rounds)
+    base = "empty dispatch mode, no dynamo wrapper"
+    return {"empty dispatch mode, CPU median (s)": statistics.median(cpu[base]),
+            "tracker over an empty dispatch mode: wall ratio": _paired(wall["measure()"], wall[base],
+                                                                       operator.truediv),
+            "tracker over an empty dispatch mode: CPU-time ratio": _paired(cpu["measure()"], cpu[base],
+                                                                           operator.truediv)}
+
+
 def optimizer_step_cell(rounds: int = 40) -> dict[str, float]:
     """``opt.step()`` alone: AdamW (PyTorch's CPU default, one parameter at a time) over 30 Linear(256, 256),
     60 parameter tensors — many small per-parameter ops."""
@@ -222,22 +258,28 @@ def optimizer_step_cell(rounds: int = 40) -> dict[str, float]:
 
     variants = {"plain": step, "empty dispatch mode, no dynamo wrapper": empty_mode, "measure()": measured,
                 "measure(backend='allocator')": lambda: measured("allocator")}
-    wall, _ = _rounds(variants, rounds)
+    wall, cpu = _rounds(variants, rounds)
     out = {"plain step, wall median (ms)": statistics.median(wall["plain"]) * 1000}
     for name in variants:
         if name != "plain":
             out[f"{name}: wall ratio"] = _paired(wall[name], wall["plain"], operator.truediv)
+    base = "empty dispatch mode, no dynamo wrapper"
+    out["tracker over an empty dispatch mode: wall ratio"] = _paired(wall["measure()"], wall[base], operator.truediv)
+    out["tracker over an empty dispatch mode: CPU-time ratio"] = _paired(cpu["measure()"], cpu[base],
+                                                                         operator.truediv)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=80, help="runs of each variant (default 80)")
-    parser.add_argument("--parts", default="1,2,3,4", help="which parts to run, comma-separated (default all)")
+    parser.add_argument("--parts", default="1,2,3,4,5", help="which parts to run, comma-separated (default all)")
     parser.add_argument("--loop-rounds", type=int, default=3, help="paired runs of part 3's loop (default 3)")
+    parser.add_argument("--tiny-rounds", type=int, default=15, help="paired runs of part 5's loop (default 15)")
     args = parser.parse_args()
     rounds, parts = args.rounds, {p.strip() for p in args.parts.split(",")}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rounds} rounds")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {rounds} rounds, load average {load:.1f}")
     if "1" in parts:
         _part1(rounds)
     if "2" in parts:
@@ -252,6 +294,11 @@ def main() -> None:
     if "4" in parts:
         print("4. opt.step() alone, AdamW over 60 parameter tensors: median of paired ratios")
         for k, v in optimizer_step_cell(max(rounds // 2, 10)).items():
+            print(f"   {k:<52} {v:8.3f}")
+    if "5" in parts:
+        print(f"5. 200 AdamW steps of part 3's MLP in one block, against an empty dispatch mode: median of "
+              f"{args.tiny_rounds} paired ratios")
+        for k, v in tracker_on_tiny_ops(rounds=args.tiny_rounds).items():
             print(f"   {k:<52} {v:8.3f}")
 
 

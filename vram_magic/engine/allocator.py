@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from .phases import Phase
 from .stderr_filter import StderrFilter
 from .torch_private import (
     profiler_enabled,
@@ -39,7 +40,8 @@ from .torch_private import (
     start_memory_profiler,
     stop_profiler,
 )
-from .tracker import BACKWARD, CELL, FORWARD, OPTIMIZER
+
+BACKWARD, CELL, FORWARD, OPTIMIZER = Phase.BACKWARD, Phase.CELL, Phase.FORWARD, Phase.OPTIMIZER
 
 if TYPE_CHECKING:
     from .registry import Entry, LiveStorages

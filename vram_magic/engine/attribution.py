@@ -1,8 +1,9 @@
 """Who holds each live storage: parameters, gradients, optimizer state, activations or other.
 
 A scan walks the user's namespace (modules, optimizers, tensors, containers and plain objects, a few levels
-deep), then the autograd graphs hanging off the tensors it found. It returns plain data keyed by
-``id(storage)``; the storages themselves are only registered (weakly) in the :class:`LiveStorages`.
+deep: namespace_walk.py), then claims the storages of what it found and of the autograd graphs hanging off its
+tensors (:class:`Claims`, here). It returns plain data keyed by ``id(storage)``; the storages themselves are only
+registered (weakly) in the :class:`LiveStorages`.
 
 Nothing here may fail the user's cell: every read of a user object is guarded (objects whose attributes,
 ``__class__`` or items raise, tensor subclasses that raise on access), and what could not be read, or was
@@ -11,9 +12,6 @@ left out by a bound, is named in the scan's notes.
 
 from __future__ import annotations
 
-import re
-import sys
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,35 +20,18 @@ import torch
 
 from . import pipeline
 from .autograd_graph import saved_tensors
-from .containers import (
-    KV_CACHE,
-    MAPPING,
-    MODULE,
-    OPTIMIZER,
-    SCALARS,
-    SEQUENCE,
-    SKIP,
-    TENSOR,
-    FastReader,
-    Found,
-    object_kind,
-)
-from .kv_cache import CACHE_NAME_ENDINGS, is_kv_cache, kv_cache_tensors
-from .quantized import packed_info, packed_objects
+from .collectives import FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, FSDP_UNSHARDED, FSDP_UNSHARDED_GRADS
+from .containers import Found
+from .kv_cache import kv_cache_tensors
+from .namespace_walk import MAX_NOTES, NamespaceWalk
+from .quantized import packed_info
 from .registry import LiveStorages
 from .tensors import grad, grad_fn, storage_parts
-from .tracker import FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER, FSDP_UNSHARDED, FSDP_UNSHARDED_GRADS
 
-_IPYTHON_NAMES = frozenset(
-    {"In", "Out", "_ih", "_oh", "_dh", "_i", "_ii", "_iii", "exit", "quit", "get_ipython", "__builtins__",
-     "__builtin__", "__name__", "__doc__", "__package__", "__loader__", "__spec__"}
-)
-_OUTPUT_CACHE = re.compile(r"^(_+|_\d+)$")
-_INPUT_CACHE = re.compile(r"^_i+\d*$")
 #: objects visited one by one per scan, and what this bound leaves out is noted. Plain data in big containers
 #: (strings, numbers, plain tensors: see containers.py) is read at C speed and does not count.
 MAX_OBJECTS = 200_000
-_MAX_NOTES = 5
+
 
 @dataclass(frozen=True)
 class Group:
@@ -100,113 +81,22 @@ class Scan:
         return None
 
 
-class _Walker:
-    def __init__(self, registry: LiveStorages, namespace: Any = None) -> None:
+class Claims:
+    """The storages of what a walk found, claimed in order of priority (the first claim wins): FSDP's buffers,
+    torch.ao's packed weights, parameters and their gradients, optimizer state, KV caches, module buffers, pipeline
+    stages' tensors, the namespace's tensors and cached outputs, then what their autograd graphs saved."""
+
+    def __init__(self, registry: LiveStorages, walk: NamespaceWalk) -> None:
         self.registry = registry
+        self.walk = walk
         self.scan = Scan()
-        self.reader = FastReader(registry, namespace)
-        self.modules: list[tuple[str, torch.nn.Module]] = []
-        self.optimizers: list[tuple[str, torch.optim.Optimizer]] = []
-        self.tensors: list[tuple[str, Any]] = []  # (name, tensor, or what a big container holds)
-        self.cache_tensors: list[tuple[str, Any]] = []
-        self.kv_caches: list[tuple[str, Any]] = []  # (name, KV cache): see kv_cache.py
-        self.seen: set[int] = set()
-        self.count = 0  # objects visited one by one, scalars included (not those of containers read at C speed)
-        self.unread: list[str] = []
-        self.skipped: dict[str, int] = {}  # container name -> items left out by the object bound
-        self.fsdp: dict[int, tuple[str, Any]] = {}  # id(FSDP state) -> (module name, state)
-        self.packed: list[tuple[Any, str]] = []  # (packed quantized weights of a torch.ao module, holder)
         self.frozen = False  # a frozen (or quantized) parameter was claimed: the notes say how much trains
-        # no FSDP module can exist before FSDP2 is imported: looked up once a scan, not once a module
-        self.fsdp_loaded = any(path in sys.modules for path in _FSDP)
-        # (name, a pipeline stage or schedule): what the stages hold beside their modules (pipeline.py)
-        self.pipelines: list[tuple[str, Any]] | None = [] if pipeline.loaded() else None
 
-    # --- collect -------------------------------------------------------------------------------
-    def visit(self, name: str, obj: Any, depth: int, cache: bool = False) -> None:
-        try:
-            self._visit(name, obj, depth, cache)
-        except Exception as err:  # a user object whose attributes or items raise: skip it, never fail the cell
-            self._unread(name, err)
-
-    def _unread(self, name: str, err: BaseException) -> None:
-        if len(self.unread) < _MAX_NOTES:
-            self.unread.append(f"{name} ({type(err).__name__})")
-        elif len(self.unread) == _MAX_NOTES:
-            self.unread.append("…")
-
-    def _full(self) -> bool:
-        return self.count >= MAX_OBJECTS
-
-    def _visit(self, name: str, obj: Any, depth: int, cache: bool = False) -> None:
-        self.count += 1
-        if id(obj) in self.seen:
-            return
-        kind = object_kind(type(obj))
-        if kind == SKIP:
-            return
-        self.seen.add(id(obj))
-        # --- KV caches: a Hugging Face cache at any depth; a legacy tuple cache, or a hand-written one by its name
-        if kind == KV_CACHE or (kind in (TENSOR, SEQUENCE, MAPPING) and (
-                name.endswith(CACHE_NAME_ENDINGS) or (type(obj) is tuple and obj and type(obj[0]) is tuple))
-                and is_kv_cache(obj, name)):
-            self.kv_caches.append((name, obj))
-            return
-        # ---
-        if kind == TENSOR:
-            (self.cache_tensors if cache else self.tensors).append((name, obj))
-        elif kind == MODULE:
-            self.modules.append((name, obj))
-        elif kind == OPTIMIZER:
-            self.optimizers.append((name, obj))
-        elif depth <= 0:
-            return
-        elif kind == MAPPING or kind == SEQUENCE:
-            found = self.reader.read(obj, depth)  # a big container of plain data: at C speed, remembered
-            if found is not None:
-                if found.keys:
-                    (self.cache_tensors if cache else self.tensors).append((name, found))
-                return
-            if kind == MAPPING:
-                self._items(name, list(obj.items()), depth, cache)
-            else:
-                self._items(name, enumerate(obj), depth, cache, len(obj), True)
-        else:
-            if self.pipelines is not None and pipeline.stages_of(obj):
-                self.pipelines.append((name, obj))
-            if callable(obj):
-                return
-            try:  # the instance's own dict, without running a class's __getattribute__
-                d = object.__getattribute__(obj, "__dict__")
-            except AttributeError:  # __slots__ only
-                return
-            if isinstance(d, dict):
-                for k, v in list(d.items()):
-                    if self._full():
-                        break
-                    self.visit(f"{name}.{k}", v, depth - 1, cache)
-
-    def _items(self, name: str, items: Iterable[tuple[Any, Any]], depth: int, cache: bool, n: int = -1,
-               positions: bool = False) -> None:
-        """A container's items one by one, each named (``xs[3]``, ``d['key']``); scalars counted, not named."""
-        if n < 0:
-            n = len(items)  # type: ignore[arg-type]
-        scalars = SCALARS
-        for i, (k, v) in enumerate(items):
-            if self.count >= MAX_OBJECTS:
-                self.skipped[name] = self.skipped.get(name, 0) + n - i
-                break
-            if type(v) in scalars:
-                self.count += 1
-                continue
-            self.visit(f"{name}[{k if positions else _key(k)}]", v, depth - 1, cache)
-
-    # --- assign (first claim wins: the order is the priority) -----------------------------------
     def claim(self, t: Any, category: str, label: str, holder: str | None = None, frozen: bool = False) -> int | None:
         key = None
         parts = storage_parts(t)
         if parts is None:
-            self._unread(holder or label, RuntimeError("a tensor that raises when read"))
+            self.walk.unread(holder or label, RuntimeError("a tensor that raises when read"))
             return None
         if frozen:
             self.frozen = True
@@ -287,32 +177,32 @@ class _Walker:
         names = self.scan.module_names
         params: list[tuple[Any, str]] = []
         buffers: list[tuple[Any, str]] = []
-        for name, m in self.modules:
+        for name, m in self.walk.modules:
             try:
-                self._module(name, m, names, params, buffers)
+                self.walk.module_contents(name, m, names, params, buffers)
             except Exception as err:
-                self._unread(name, err)
-        for name, opt in self.optimizers:
+                self.walk.unread(name, err)
+        for name, opt in self.walk.optimizers:
             try:
                 self.scan.optimizer_names.setdefault(id(opt), name)
                 params.extend((p, name) for group in opt.param_groups for p in group.get("params", ()))
             except Exception as err:
-                self._unread(name, err)
-        for name, state in self.fsdp.values():  # before parameters: an unsharded parameter is FSDP's buffer
+                self.walk.unread(name, err)
+        for name, state in self.walk.fsdp.values():  # before parameters: an unsharded parameter is FSDP's buffer
             try:
                 self._fsdp_buffers(name, state)
             except Exception as err:
-                self._unread(f"the FSDP state of {name}", err)
-        for obj, name in self.packed:
+                self.walk.unread(f"the FSDP state of {name}", err)
+        for obj, name in self.walk.packed:
             try:
                 self._claim_packed(obj, name)
             except Exception as err:
-                self._unread(f"the packed weights of {name}", err)
+                self.walk.unread(f"the packed weights of {name}", err)
         grads: list[tuple[Any, str]] = []
         self._claim_all(params, "parameters", grads=grads)
         self._claim_all(grads, "gradients")
         state_tensors: list[tuple[Any, str]] = []
-        for name, opt in self.optimizers:
+        for name, opt in self.walk.optimizers:
             try:
                 states = [(opt.state, name)]
                 if type(opt).__name__ == "ZeroRedundancyOptimizer":  # ZeRO-1: the state of this rank's partition
@@ -322,18 +212,18 @@ class _Walker:
                         if isinstance(state, Mapping):
                             state_tensors.extend((v, label) for v in state.values() if isinstance(v, torch.Tensor))
             except Exception as err:
-                self._unread(f"{name}.state", err)
+                self.walk.unread(f"{name}.state", err)
         self._claim_all(state_tensors, "optimizer_state")
         graphs = self._claim_kv_caches()
         self._claim_all(buffers, "other", "buffers of ")
-        for name, holder in self.pipelines or ():  # a stage's own tensors, before its attributes' and the graphs'
+        for name, holder in self.walk.pipelines or ():  # a stage's own tensors, before its attributes' and the graphs'
             try:
                 for stage in pipeline.stages_of(holder):
                     for t, (category, label) in pipeline.held_tensors(stage):
                         self.claim(t, category, label, name)
             except Exception as err:
-                self._unread(f"the pipeline stage of {name}", err)
-        for name, t in self.tensors:
+                self.walk.unread(f"the pipeline stage of {name}", err)
+        for name, t in self.walk.tensors:
             if type(t) is Found:  # the tensors of a big container, all leaves: "other", by the container's name
                 self._claim_found(t, ("other", name))
                 continue
@@ -342,7 +232,7 @@ class _Walker:
             self.claim(t, "activations" if fn is not None else "other", name, name)
             if fn is not None:
                 graphs.append((name, fn))
-        for name, t in self.cache_tensors:
+        for name, t in self.walk.cache_tensors:
             if type(t) is Found:
                 self._claim_found(t, ("other", f"output cache {name}"))
                 continue
@@ -361,7 +251,7 @@ class _Walker:
                     else:
                         self.claim(saved, "activations", f"graph held by {name}", name)
             except Exception as err:
-                self._unread(f"the autograd graph of {name}", err)
+                self.walk.unread(f"the autograd graph of {name}", err)
         self._notes()
         return self.scan
 
@@ -369,7 +259,7 @@ class _Walker:
         """The tensors of the KV caches found: ``kv_cache``, named by who holds them; the autograd graphs they hold
         (a cache filled by a forward with grad) are returned to be claimed as activations."""
         graphs: list[tuple[str, Any]] = []
-        for name, obj in self.kv_caches:
+        for name, obj in self.walk.kv_caches:
             try:
                 for _, t in kv_cache_tensors(obj, name):
                     self.claim(t, "kv_cache", name, name)
@@ -377,45 +267,8 @@ class _Walker:
                     if fn is not None:
                         graphs.append((name, fn))
             except Exception as err:
-                self._unread(name, err)
+                self.walk.unread(name, err)
         return graphs
-
-    def _module(self, name: str, m: torch.nn.Module, names: dict[int, str], params: list[tuple[Any, str]],
-                buffers: list[tuple[Any, str]]) -> None:
-        # straight from each submodule's dicts: much cheaper than parameters()/buffers() generators
-        subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
-        fsdp = self.fsdp_loaded
-        for subname, sub in subs:
-            names.setdefault(id(sub), subname)
-            if fsdp:
-                get_state = getattr(type(sub), "_get_fsdp_state", None)
-                if get_state is not None:
-                    state = get_state(sub)
-                    self.fsdp.setdefault(id(state), (name, state))
-            for p in sub._parameters.values():
-                if p is not None:
-                    params.append((p, name))
-            if sub._buffers:
-                for b in sub._buffers.values():
-                    if b is not None:
-                        buffers.append((b, name))
-            for obj, _ in packed_objects(sub):  # torch.ao quantized modules: weights packed outside any tensor
-                self.packed.append((obj, name))
-            attrs = sub.__dict__
-            if not _MODULE_ATTR_TYPES.issuperset(map(type, attrs.values())):
-                self._module_tensors(subname, attrs)
-
-    def _module_tensors(self, name: str, attrs: dict[str, Any]) -> None:
-        """Tensors a module holds as plain attributes (not a Parameter, not a buffer): counted as the namespace's
-        tensors are (``model.scale``: "other", or activations with the graph it holds), a KV cache by its name."""
-        for k, v in list(attrs.items()):
-            if object_kind(type(v)) != TENSOR:
-                continue
-            path = f"{name}.{k}"
-            if path.endswith(CACHE_NAME_ENDINGS) and is_kv_cache(v, path):
-                self.kv_caches.append((path, v))
-            else:
-                self.tensors.append((path, v))
 
     def _claim_packed(self, obj: Any, name: str) -> None:
         """A torch.ao quantized module's packed weights: the object stands for its buffer in the registry (its
@@ -470,14 +323,13 @@ class _Walker:
         notes = self.scan.notes
         if self.frozen:
             notes.append(self._frozen_note())
-        if self.unread:
-            notes.append("the scan could not read " + ", ".join(self.unread) + "; memory only they hold counts as "
-                         "unattributed")
-        if self.skipped:
-            what = ", ".join(f"{n} ({k:,} items)" for n, k in list(self.skipped.items())[:_MAX_NOTES])
-            notes.append(f"the scan stopped after {MAX_OBJECTS:,} objects and did not look into {what}; memory only "
-                         "they hold counts as unattributed")
-
+        if self.walk.unread_names:
+            notes.append("the scan could not read " + ", ".join(self.walk.unread_names) + "; memory only they hold "
+                         "counts as unattributed")
+        if self.walk.skipped:
+            what = ", ".join(f"{n} ({k:,} items)" for n, k in list(self.walk.skipped.items())[:MAX_NOTES])
+            notes.append(f"the scan stopped after {self.walk.max_objects:,} objects and did not look into {what}; "
+                         "memory only they hold counts as unattributed")
 
     def _frozen_note(self) -> str:
         """How much of the parameters trains, and the formats of the quantized ones."""
@@ -505,14 +357,6 @@ class _Walker:
         return text
 
 
-# the types of a module's own attributes that are never tensors (its dicts of parameters, buffers, hooks and
-# submodules, flags, sizes): a module with nothing else needs no look at each attribute
-_MODULE_ATTR_TYPES = frozenset({dict, OrderedDict, set, bool, int, float, str, tuple, list, type(None)})
-
-_FSDP = ("torch.distributed.fsdp._fully_shard._fully_shard",  # FSDP2's module (PyTorch 2.6 on)
-         "torch.distributed._composable.fsdp.fully_shard")  # where it lived before
-
-
 def _frozen(t: Any) -> bool:
     try:
         return not t.requires_grad
@@ -520,36 +364,7 @@ def _frozen(t: Any) -> bool:
         return False
 
 
-def _key(k: Any) -> str:
-    try:
-        text = repr(k)
-    except Exception:
-        return "?"
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def scan_namespace(namespace: Mapping[str, Any] | None, registry: LiveStorages, depth: int = 3) -> Scan:
     """Attribute every storage reachable from ``namespace`` (an IPython ``user_ns`` or a module's globals)."""
-    walker = _Walker(registry, namespace)
-    if namespace:
-        try:
-            items = list(namespace.items())
-        except Exception as err:
-            walker._unread("the namespace", err)
-            items = []
-        out = namespace.get("Out") if isinstance(namespace, Mapping) else None
-        if isinstance(out, dict):  # first, so cached outputs get their `_N` names
-            for k, v in list(out.items()):
-                walker.visit(f"_{k}", v, depth, cache=True)
-        for name, value in items:
-            if not isinstance(name, str) or name in _IPYTHON_NAMES:
-                continue
-            if name[:1] == "_":  # IPython's caches and dunder names all start with one
-                if name.startswith("__") or _INPUT_CACHE.match(name):
-                    continue
-                if _OUTPUT_CACHE.match(name):
-                    walker.visit(name, value, depth, cache=True)
-                    continue
-            walker.visit(name, value, depth)
-        walker.reader.finish()
-    return walker.assign()
+    walk = NamespaceWalk(registry, namespace, MAX_OBJECTS).walk(namespace, depth)
+    return Claims(registry, walk).assign()

@@ -48,12 +48,15 @@ SCOPE_ENTER = getattr(getattr(torch.ops.profiler, "_record_function_enter_new", 
 SCOPE_EXIT = getattr(getattr(torch.ops.profiler, "_record_function_exit", None), "_RecordFunction", None)
 
 # What skips() says of an op besides True and False: a named scope opens or closes, the op's only kernel is its
-# decomposition, its kernel allocates inside itself (scratch_ops.py), it is a collective of tensor parallelism
-# whose output is named after it (collectives.py).
+# decomposition, its kernel allocates inside itself (scratch_ops.py), it is a GEMM whose operand copies a rule gives,
+# it is a collective of tensor parallelism whose output is named after it (collectives.py), some output may be an
+# input's memory or memory made outside dispatch (every output looked up as it comes).
 SCOPE_IN, SCOPE_OUT = object(), object()
 DECOMPOSE = object()
 SCRATCH_OP = object()
+GEMM = object()
 COLLECTIVE = object()
+SEEN = object()
 MM, ADDMM = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
 
 # id(op) -> the decision
@@ -109,8 +112,11 @@ def skips(func: Any) -> Any:
     """Ops whose every output aliases an input and cannot grow its storage (in-place ops, views): ``True``; the
     scope ops are skipped too, with :data:`SCOPE_IN` or :data:`SCOPE_OUT` in place of ``True``; :data:`DECOMPOSE`
     for an op whose only kernel is its decomposition (it reaches a mode whole only under inference_mode);
-    :data:`SCRATCH_OP` for one whose CPU kernel allocates inside itself; :data:`COLLECTIVE` for a functional
-    collective's op (not skipped: what it returns is counted, then named)."""
+    :data:`GEMM` for ``mm``/``addmm``, :data:`SCRATCH_OP` for another op whose CPU kernel allocates inside itself;
+    :data:`COLLECTIVE` for a functional collective's op (not skipped: what it returns is counted, then named);
+    :data:`SEEN` for one that may return an input's memory (some outputs alias, ``out=``, ``resize_``, ``set_``) or
+    memory made outside dispatch (``lift_fresh``); ``False`` for the rest, whose outputs are new memory unless
+    already known."""
     if func is SCOPE_ENTER or func is SCOPE_EXIT:
         hit: Any = SCOPE_IN if func is SCOPE_ENTER else SCOPE_OUT
         SKIPPING[decided(func)] = hit
@@ -125,8 +131,12 @@ def skips(func: Any) -> Any:
         hit = COLLECTIVE
     elif not hit and is_composite(func):
         hit = DECOMPOSE
+    elif not hit and (func is MM or func is ADDMM):
+        hit = GEMM
     elif not hit and uses_scratch(func):
         hit = SCRATCH_OP
+    elif not hit and (aliases(func) or resizes(func) or func in FRESH):
+        hit = SEEN
     SKIPPING[decided(func)] = hit
     return hit
 
@@ -171,5 +181,6 @@ def run_decomposed(mode: Any, func: Any, args: Any, kwargs: Any) -> Any:
 
 
 __all__ = ["ADDMM", "ALIASING", "COLLECTIVE", "COMPILER", "DECIDED", "DECOMPOSE", "DYNAMO", "FRESH", "FRESH_IDS",
-           "LOADED", "MM", "RESIZING", "SCOPE_ENTER", "SCOPE_EXIT", "SCOPE_IN", "SCOPE_OUT", "SCRATCH_OP", "SKIPPING",
+           "GEMM", "LOADED", "MM", "RESIZING", "SCOPE_ENTER", "SCOPE_EXIT", "SCOPE_IN", "SCOPE_OUT", "SCRATCH_OP",
+           "SEEN", "SKIPPING",
            "aliases", "decided", "defers", "is_compiling", "is_composite", "resizes", "run_decomposed", "skips"]

@@ -47,9 +47,28 @@ def uses_scratch(func: Any) -> bool:
 
 def gemm_copies(func: Any, args: Any, out: torch.Tensor) -> int:
     """Bytes of the operand copies the CPU GEMM (``addmm_impl_cpu_``) makes inside the op: an operand whose
-    strides BLAS cannot take (an expanded gradient, a strided slice) is cloned contiguous first."""
+    strides BLAS cannot take (an expanded gradient, a strided slice) is cloned contiguous first. Worked out once per
+    layout (shapes, strides, dtype): a loop calls the same GEMMs again and again."""
     m1, m2 = (args[0], args[1]) if func is torch.ops.aten.mm.default else (args[1], args[2])
-    if not (isinstance(m1, torch.Tensor) and isinstance(m2, torch.Tensor)) or m1.dim() != 2 or m2.dim() != 2:
+    if not (isinstance(m1, torch.Tensor) and isinstance(m2, torch.Tensor)):
+        return 0
+    try:
+        key = (m1.shape, m1.stride(), m2.shape, m2.stride(), out.stride(), m1.dtype, m2.dtype)
+        hit = _COPIES.get(key)
+    except TypeError:  # symbolic sizes
+        return _copies(m1, m2, out)
+    if hit is None:
+        if len(_COPIES) > 10_000:
+            _COPIES.clear()
+        hit = _COPIES[key] = _copies(m1, m2, out)
+    return hit
+
+
+_COPIES: dict[Any, int] = {}
+
+
+def _copies(m1: torch.Tensor, m2: torch.Tensor, out: torch.Tensor) -> int:
+    if m1.dim() != 2 or m2.dim() != 2:
         return 0
     m, k, n = m1.shape[0], m1.shape[1], m2.shape[1]
     rs = out.stride()

@@ -111,6 +111,9 @@ def never_compiled(*functions: object) -> None:
 
 #: The autograd node being run (None outside backward). Checked on torch 2.5.1, 2.13, 2.15.
 current_autograd_node = torch._C._current_autograd_node
+#: The id of the graph task (one ``backward()`` or ``autograd.grad()`` call) running on this thread, unique per task;
+#: -1 outside backward. Checked on torch 2.13, 2.15 (2.5.1's checkpoint.py calls it too).
+current_graph_task_id = torch._C._current_graph_task_id
 #: The class of one overload of an op (``torch.ops.aten.mm.default``). Checked on torch 2.5.1, 2.13, 2.15.
 OpOverload = torch._ops.OpOverload
 #: ``(op name, dispatch key name) -> bool``: the op has a kernel of its own for that key. Checked on torch 2.5.1,
@@ -272,6 +275,7 @@ def group_store_entry(group: Any) -> Any:
 __all__ = [
     "DYNAMO_MODULE", "MODULE_APPLY", "OpOverload", "TRACING_TENSORS_PACKAGE", "TRACING_TENSORS_PREFIX",
     "TorchDispatchMode", "cuda_has_primary_context", "cuda_history_enabled", "current_autograd_node",
+    "current_graph_task_id",
     "current_mode_stack", "default_device_context", "disable_current_modes", "group_store_entry",
     "has_kernel_for_dispatch_key", "leave_mode_stack", "memory_snapshot", "modes_ignore_compile_internals",
     "never_compiled", "optimized_module_class", "patch_storage_resize", "pop_mode", "profiler_enabled",
