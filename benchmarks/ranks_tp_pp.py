@@ -7,14 +7,15 @@ splits it; "profiler" is the highest CPU memory PyTorch's profiler saw in the sa
 fresh copy of the job (its rise above where it started, added to the measurement's ``before``). Run::
 
     .venv/bin/python benchmarks/ranks_tp_pp.py [--world 2,4] [--cases tp-mlp,pp-1f1b] [--markdown] [--repeats N]
-        [--pp-batch ROWS]
+        [--pp-batch ROWS] [--estimate]
 
 ``--pp-batch ROWS`` gives the pipeline jobs another batch (default 256 rows, 4 micro-batches). ``--repeats N`` runs
 every job N times and prints the profiler's lowest and highest peak: on gloo a collective's
 buffers are let go of by gloo's worker thread, sometimes after the caller went on, so real peaks vary by a few
 buffers from run to run.
 
-An estimate goes in the empty columns through :func:`table`'s ``estimate``: a callable
+``--estimate`` fills the estimate's columns with ``vram_magic.estimate(..., tp=, pp=, ...)``'s per-rank peaks
+(:func:`estimated`). Another estimate goes in them through :func:`table`'s ``estimate``: a callable
 ``estimate(case, world, rank)`` returning that rank's estimated peak by category (a mapping of the five categories
 to bytes, such as an estimate's ``.ranks[rank].peak``) or ``None``; :func:`parallel_runs.off` says which categories
 are further than 1 % from the measured ones.
@@ -103,6 +104,43 @@ def _print(rows: list[list[str]], markdown: bool) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
 
 
+_ESTIMATES: dict[tuple[str, int], Any] = {}
+
+
+def estimated(case: pr.Case, world: int, rank: int) -> Mapping[str, int]:
+    """Rank ``rank``'s peak by category as ``vram_magic.estimate`` gives it for the job (``device="cpu"``: gloo's
+    staging buffers counted), the estimate made once per job. A pipeline's last rank also holds the job's target
+    (``schedule.step(target=...)``), which the estimate is not told of: its bytes are added to that rank's "other"."""
+    import torch
+
+    import vram_magic
+
+    key = (case.name, world)
+    if key not in _ESTIMATES:
+        if case.kind == "tp" and case.model == "mlp":
+            _ESTIMATES[key] = vram_magic.estimate(pr.mlp, torch.randn(pr.TP_BATCH, pr.WIDTH), device="cpu", tp=world,
+                                                  parallelize_plan=pr.mlp_plan(), loss_fn=lambda out: out.sum())
+        elif case.kind == "tp":
+            top, layer = pr.llama_plan(case.sequence_parallel)
+            plan = dict(top)
+            for i in range(pr.LLAMA["num_hidden_layers"]):
+                plan.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+            inputs = {"input_ids": torch.randint(0, pr.LLAMA["vocab_size"], (pr.LLAMA_BATCH, pr.LLAMA_SEQ)),
+                      "position_ids": torch.arange(pr.LLAMA_SEQ).unsqueeze(0)}
+            _ESTIMATES[key] = vram_magic.estimate(lambda: pr.llama(world), inputs, device="cpu", tp=world,
+                                                  parallelize_plan=plan,
+                                                  loss_fn=lambda out: out.logits.float().sum())
+        else:
+            _ESTIMATES[key] = vram_magic.estimate(
+                lambda: torch.nn.Sequential(*[pr.block() for _ in range(pr.PP_BLOCKS)]),
+                torch.randn(pr.PP_BATCH, pr.WIDTH), device="cpu", pp=world, micro_batches=case.micro_batches,
+                schedule=case.schedule, loss_fn=lambda out: out.sum())
+    peak = dict(_ESTIMATES[key].ranks[rank].peak)
+    if case.kind == "pp" and rank == world - 1:
+        peak["other"] += pr.PP_BATCH * pr.WIDTH * 4  # the target (fp32)
+    return peak
+
+
 def main(argv: Sequence[str] = sys.argv[1:], estimate: Estimate | None = None) -> int:
     import torch
 
@@ -137,6 +175,8 @@ def main(argv: Sequence[str] = sys.argv[1:], estimate: Estimate | None = None) -
         for name in names:
             if pr.CASES[name].fits(world):
                 print(f"  {name} × {world}: {pr.CASES[name].describe(world)}")
+    if "--estimate" in args and estimate is None:
+        estimate = estimated
     _print(table(runs, estimate, spread), "--markdown" in args)
     print()
     for line in other_at_peak(runs):
