@@ -63,12 +63,29 @@ class OpTimes:
     ops: int = 0
 
 
-def time_ops(log: OpLog, rates: Rates, start: int = 0) -> OpTimes:
-    """Every op of ``log`` from row ``start`` on, timed on ``rates``."""
+def time_ops(log: OpLog, rates: Rates, start: int = 0, end: int | None = None) -> OpTimes:
+    """Every op of ``log`` from row ``start`` on (to row ``end``), timed on ``rates``: by the device's own rules
+    (``rates.op_time``) where it has them and the log has every column, else by the generic formula."""
     compute = memory = recompute = optimizer = 0.0
-    matmul, bandwidth, per_op, floor = rates.matmul, rates.bandwidth, rates.per_op, rates.floor
     n = 0
-    for stage, kind, dtype, again, flops, nbytes in log.rows(start):
+    if rates.op_time is not None and log.full():
+        op_time = rates.op_time
+        for row in log.rows_full(start, end):
+            n += 1
+            t = op_time(*row)
+            stage, kind, again = row[0], row[1], row[3]
+            if stage in _OPTIMIZER_STAGES:
+                optimizer += t
+            elif again:
+                recompute += t
+            elif kind in _COMPUTE_KINDS:
+                compute += t
+            else:
+                memory += t
+        return OpTimes(compute, memory, recompute, optimizer, n)
+    matmul, bandwidth, per_op, floor = rates.matmul, rates.bandwidth, rates.per_op, rates.floor
+    rows = log.rows(start) if end is None else log.slice(start, end).rows()
+    for stage, kind, dtype, again, flops, nbytes in rows:
         n += 1
         t = nbytes / bandwidth
         if flops:

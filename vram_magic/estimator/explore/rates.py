@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from ...engine.phases import Phase
 from ..target.cpu import CpuProfile
 from ..target.gpus import GPU
-from ..tracing.oplog import DTYPES
+from ..tracing.oplog import ATTENTION, CONV, DTYPES, KINDS, LAYOUTS, MATMUL, POINTWISE, VIEW
 
 #: fraction of the dense peak a step's matmuls reach, by architecture: (tensor cores in half precision, fp32)
 MATMUL_EFFICIENCY = {"hopper": (0.75, 0.5), "ampere": (0.65, 0.55)}
@@ -36,7 +38,8 @@ GPU_OP_OVERHEAD = 5e-6
 class Rates:
     """A device as the time model sees it: ``matmul(dtype, flops)`` FLOP/s, ``bandwidth`` bytes/s for memory-bound ops,
     ``per_op`` seconds each op adds (a CPU's dispatch) and ``floor`` seconds an op takes at least (a GPU waiting for the
-    host), with a sentence saying what was assumed."""
+    host), with a sentence saying what was assumed. ``op_time``, where a device has its own rules (the CPU), times one
+    op from its whole row of the op log (``OpLog.rows_full``) in place of those figures."""
 
     name: str
     matmul: Callable[[str, float], float]
@@ -44,6 +47,7 @@ class Rates:
     per_op: float
     floor: float
     assumptions: str
+    op_time: Callable[..., float] | None = None
 
 
 def gpu_rates(gpu: GPU, *, tf32: bool = False) -> Rates:
@@ -69,6 +73,48 @@ def gpu_rates(gpu: GPU, *, tf32: bool = False) -> Rates:
 
 
 def cpu_rates(profile: CpuProfile) -> Rates:
-    """This CPU's rates as measured: matmuls at the rate timed for their dtype and size, memory-bound ops at the
-    bandwidth of a large copy, each op its dispatch cost on top."""
-    return Rates("CPU", profile.matmul_rate, profile.bandwidth, profile.op_overhead, 0.0, profile.describe())
+    """This CPU's rates as measured (``target/cpu.py``), each op timed by :func:`cpu_op_time`."""
+    return Rates("CPU", profile.matmul_rate, profile.bandwidth, profile.op_overhead, 0.0, profile.describe(),
+                 cpu_op_time(profile))
+
+
+_BACKWARD = int(Phase.BACKWARD)
+
+
+def cpu_op_time(profile: CpuProfile) -> Callable[..., float]:
+    """One op's seconds on this CPU, from its row of the op log, plus what each op of a step costs beyond its work:
+
+    * a matmul of known shape by the fitted model of its dtype and layout (``target/cpu_gemm.py``); else at the rate
+      of a square one of its FLOPs;
+    * a convolution or the flash attention by its FLOPs at the rate timed for its dtype and direction (the backward
+      stage's, unless checkpointing recomputes a forward there), a convolution at least its fixed cost;
+    * any other op by its bytes: those moved at the seconds per byte timed for its size, those of results allocated at
+      the extra a result not in the caches costs; at least its elements at the seconds per element of its kind
+      (random numbers, transcendental functions, activations, softmax, normalisations) and its dtype's conversion;
+    * a view or an allocation: nothing but the cost per op."""
+    overhead = profile.op_overhead
+    element = {KINDS.index(k): v for k, v in profile.element.items()}
+    convert = {DTYPES.index(k): v for k, v in profile.convert.items()}
+    fallback = profile.gemm_fit("fp32", "NT")
+
+    def op_time(stage: int, kind: int, dtype: int, again: int, flops: float, nbytes: float, fresh: float,
+                elements: float, shape: Any) -> float:
+        if kind == VIEW:
+            return overhead
+        name = DTYPES[dtype]
+        if kind == MATMUL:
+            if shape is None:
+                return overhead + (flops / fallback.rate(512, 512, 512) if flops else 0.0)
+            batch, m, n, k, layout = shape
+            return overhead + profile.gemm_fit(name, LAYOUTS[layout]).seconds(m, n, k, batch)
+        if kind in (CONV, ATTENTION) and flops:
+            timed = profile.conv if kind == CONV else profile.attention
+            rates = timed.get(name) or timed.get("bf16" if name == "fp16" else "fp32") or timed["fp32"]
+            rate = rates[1] if stage == _BACKWARD and not again else rates[0]
+            return overhead + flops / rate + (profile.conv_fixed if kind == CONV else 0.0)
+        moved, allocated = profile.per_byte(nbytes)
+        seconds = nbytes * moved + fresh * allocated
+        per_element = (element.get(kind, 0.0) if kind != POINTWISE else 0.0) + convert.get(dtype, 0.0)
+        return overhead + max(seconds, elements * per_element)
+
+    return op_time

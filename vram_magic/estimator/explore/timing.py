@@ -128,8 +128,7 @@ def model_parallel_time(trace: Trace, opts: Options, link: float) -> float:
 
 def _rows(log: OpLog, start: int, end: int) -> OpLog:
     """The rows ``start`` … ``end - 1`` of ``log``, as an op log of their own."""
-    return OpLog(log.stage[start:end], log.kind[start:end], log.dtype[start:end], log.recompute[start:end],
-                 log.flops[start:end], log.bytes[start:end])
+    return log.slice(start, end)
 
 
 def _seconds(t: OpTimes) -> float:

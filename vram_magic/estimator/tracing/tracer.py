@@ -29,7 +29,7 @@ from ..torch_private import (
     push_mode,
 )
 from .known_values import answer, propagate
-from .oplog import VIEW, OpLog, first_float_dtype, op_kind, tensor_bytes
+from .oplog import OpLog, Traits, op_traits
 
 # The stages of a traced step (engine/phases.py holds every phase), under the names they always had here
 SETUP, FORWARD, LOSS, BACKWARD, OPTIMIZER, ZERO_GRAD = Phase.SETUP, Phase.FORWARD, Phase.LOSS, Phase.BACKWARD, \
@@ -71,8 +71,8 @@ def tensor_spec(t: Any, channels_last: bool = False) -> Any:
 
 # op -> its only kernel is its decomposition, with no CPU kernel of its own (as ``silu_backward`` has)
 _COMPOSITE: dict[Any, bool] = {}
-# op -> its kind in the op log (oplog.py)
-_KIND: dict[Any, int] = {}
+# op -> what the op log keeps of its kind (oplog.py)
+_KIND: dict[Any, Traits] = {}
 
 
 def _shapes(args: Any, kwargs: Any) -> str:
@@ -300,13 +300,11 @@ class StepTracer(Tracker):
         counter = flop_registry.get(packet)
         flops = int(counter(*args, **kwargs, out_val=out)) if counter is not None else 0
         self.flops[self.stage] += flops
-        kind = _KIND.get(func)
-        if kind is None:
-            kind = _KIND[func] = op_kind(func, aliases(func))
-        moved = 0 if kind == VIEW else tensor_bytes(args) + tensor_bytes(out) + (
-            tensor_bytes(tuple(kwargs.values())) if kwargs else 0)
-        self.ops.add(self.stage, kind, first_float_dtype(args), self.stage == BACKWARD and bool(self.modstack), flops,
-                     moved)
+        traits = _KIND.get(func)
+        if traits is None:
+            traits = _KIND[func] = op_traits(func, aliases(func))
+        self.ops.record(traits, packet.__name__, self.stage, self.stage == BACKWARD and bool(self.modstack), flops,
+                        args, kwargs, out)
         if not self.matmul and packet.__name__ in _MATMULS:
             self.matmul = True
         if func is _CONV or func is _CONV_BACKWARD:
