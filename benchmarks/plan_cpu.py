@@ -5,6 +5,10 @@ one thread beside the time the model predicts from the estimator's own trace of 
 Run::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_cpu.py [--rounds 7] [--models mlp,gpt2] [--markdown]
+        [--save rows.jsonl] [--load rows.jsonl]
+
+``--save`` appends each model's rows to a file as it finishes (a run on a busy machine takes a while); ``--load``
+reports on rows saved before (by runs of one model each, say) without measuring anything.
 
 Targets, as ratios to each model's baseline: median error ≤ 15 %, worst ≤ 35 %, Spearman's rank correlation ≥ 0.8
 across each model's plans; after calibrating on the baseline, each plan's absolute time within 25 %.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
 import sys
@@ -275,7 +280,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7, help="measured steps per plan (after two warm-up rounds)")
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--save", help="append each model's rows to this file (JSON lines) as it finishes")
+    ap.add_argument("--load", help="report on the rows in this file, measuring nothing")
     args = ap.parse_args()
+    if args.load:
+        with open(args.load) as f:
+            saved = [Row(**json.loads(line)) for line in f if line.strip()]
+        sys.exit(0 if report(saved, args.markdown) else 1)
     torch.set_num_threads(1)
     load0 = os.getloadavg()
     t0 = time.perf_counter()
@@ -284,6 +295,9 @@ def main() -> None:
     for name in args.models.split(","):
         rs = run_model(name, args.rounds)
         out.extend(rs)
+        if args.save:
+            with open(args.save, "a") as f:
+                f.writelines(json.dumps(vars(r)) + "\n" for r in rs)
         print(f"  {name}: " + ", ".join(f"{r.plan} {r.cpu * 1e3:.0f}/{r.pred * 1e3:.0f} ms" for r in rs),
               file=sys.stderr, flush=True)
     print(f"load average {load0[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} "

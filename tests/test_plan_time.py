@@ -47,7 +47,7 @@ def profile(**changes) -> CpuProfile:
         threads=1,
         gemm={"fp32": {lay: GemmFit(COEF) for lay in ("NN", "NT", "TN")},
               "bf16": {"NN": GemmFit(tuple(c * 2 for c in slow)), "NT": GemmFit(slow), "TN": GemmFit(slow)}},
-        conv={"fp32": (10e9, 5e9)}, conv_fixed=20e-6, attention={"fp32": (20e9, 10e9)},
+        conv={"fp32": ((1e8, 10e9, 5e9),)}, conv_fixed=20e-6, attention={"fp32": (20e9, 10e9)},
         memory=((1e5, 1e-10, 2e-10), (1e7, 5e-11, 1e-10)),
         element={"activation": 2e-9, "batch norm": 3e-9}, convert={"bf16": 1e-9}, op_overhead=1e-6, dispatch=1e-6)
     fields.update(changes)
@@ -114,6 +114,11 @@ def test_a_convolution_runs_at_its_directions_rate_and_a_recompute_at_the_forwar
     assert t(BACKWARD, CONV, 0, 1, 1e9, 0, 0, 0, None) == pytest.approx(1e-6 + 0.1 + 20e-6)  # checkpoint's forward
     # bf16 with no rate of its own: fp32's
     assert t(FORWARD, CONV, 1, 0, 1e9, 0, 0, 0, None) == pytest.approx(1e-6 + 0.1 + 20e-6)
+    # timed at two sizes: the rate interpolated in log FLOPs between them (a backward's size is half its FLOPs)
+    two = cpu_op_time(profile(conv={"fp32": ((1e7, 1e9, 1e9), (1e9, 100e9, 10e9))}))
+    assert two(FORWARD, CONV, 0, 0, 1e8, 0, 0, 0, None) == pytest.approx(1e-6 + 1e8 / 10e9 + 20e-6)
+    assert two(BACKWARD, CONV, 0, 0, 2e8, 0, 0, 0, None) == pytest.approx(1e-6 + 2e8 / 10**9.5 + 20e-6)
+    assert two(FORWARD, CONV, 0, 0, 1e11, 0, 0, 0, None) == pytest.approx(1e-6 + 1e11 / 100e9 + 20e-6)
 
 
 def test_time_ops_sorts_the_cpu_rows_into_compute_memory_recompute_and_optimizer():

@@ -87,7 +87,8 @@ def cpu_op_time(profile: CpuProfile) -> Callable[..., float]:
     * a matmul of known shape by the fitted model of its dtype and layout (``target/cpu_gemm.py``); else at the rate
       of a square one of its FLOPs;
     * a convolution or the flash attention by its FLOPs at the rate timed for its dtype and direction (the backward
-      stage's, unless checkpointing recomputes a forward there), a convolution at least its fixed cost;
+      stage's, unless checkpointing recomputes a forward there), a convolution's at its size (between the sizes
+      timed), plus its fixed cost;
     * any other op by its bytes: those moved at the seconds per byte timed for its size, those of results allocated at
       the extra a result not in the caches costs; at least its elements at the seconds per element of its kind
       (random numbers, transcendental functions, activations, softmax, normalisations) and its dtype's conversion;
@@ -108,10 +109,13 @@ def cpu_op_time(profile: CpuProfile) -> Callable[..., float]:
             batch, m, n, k, layout = shape
             return overhead + profile.gemm_fit(name, LAYOUTS[layout]).seconds(m, n, k, batch)
         if kind in (CONV, ATTENTION) and flops:
-            timed = profile.conv if kind == CONV else profile.attention
+            forward = stage != _BACKWARD or bool(again)
+            if kind == CONV:  # a backward's FLOPs are twice its forward's
+                return overhead + flops / profile.conv_rate(name, forward, flops if forward else flops / 2) + \
+                    profile.conv_fixed
+            timed = profile.attention
             rates = timed.get(name) or timed.get("bf16" if name == "fp16" else "fp32") or timed["fp32"]
-            rate = rates[1] if stage == _BACKWARD and not again else rates[0]
-            return overhead + flops / rate + (profile.conv_fixed if kind == CONV else 0.0)
+            return overhead + flops / (rates[0] if forward else rates[1])
         moved, allocated = profile.per_byte(nbytes)
         seconds = nbytes * moved + fresh * allocated
         per_element = (element.get(kind, 0.0) if kind != POINTWISE else 0.0) + convert.get(dtype, 0.0)

@@ -17,9 +17,9 @@ count) with one thread, else on the wall clock:
 * a tiny training step, whose time per op is what each op of a step costs beyond its work (dispatch, autograd, the
   model's and the optimizer's Python).
 
-It takes about a second and a half (its ops are counted under a dispatch mode, whose first use in a process imports
-sympy: seconds, not counted, and already paid by the estimate a plan makes first), and :func:`cpu_profile` keeps it
-for the process (per thread count).
+It takes about a second and a half of CPU on one thread (its ops are counted under a dispatch mode, whose first use
+in a process imports sympy: seconds, not counted, and already paid by the estimate a plan makes first), and
+:func:`cpu_profile` keeps it for the process (per thread count).
 """
 
 from __future__ import annotations
@@ -37,11 +37,13 @@ from .cpu_gemm import GemmFit, fit_gemm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: GEMMs timed per dtype and layout, ``(m, k, n)``: row lengths 64 … 2048 at two inner dimensions, tall-skinny and
-#: wide ones, a tiny one for the fixed cost; the half types at a small m (the fallback kernels' rate does not depend on
-#: it, and they are slow), fp32 at m = 64 and 512 (BLAS's own efficiency grows with it)
+#: wide ones, a tiny one for the fixed cost, a few with few rows (a small batch's); the half types at a small m (the
+#: fallback kernels' rate does not depend on it, and they are slow), fp32 at m = 16 … 2048 (BLAS's own efficiency
+#: grows with it)
 GEMM_SHAPES = {
     "fp32": ((64, 512, 64), (64, 512, 256), (64, 512, 1024), (64, 512, 2048), (512, 128, 64), (512, 128, 256),
-             (512, 128, 1024), (512, 128, 2048), (64, 2048, 256), (512, 64, 1024), (2048, 64, 256), (8, 64, 64)),
+             (512, 128, 1024), (512, 128, 2048), (64, 2048, 256), (512, 64, 1024), (2048, 64, 256), (8, 64, 64),
+             (32, 512, 2048), (16, 1024, 512), (512, 1024, 256)),
     "half": ((8, 256, 64), (8, 256, 256), (8, 256, 1024), (8, 256, 2048), (8, 512, 64), (8, 512, 256),
              (8, 512, 1024), (8, 512, 2048), (64, 64, 256), (256, 64, 256), (4, 64, 64)),
 }
@@ -50,6 +52,8 @@ LAYOUT_NAMES = ("NN", "NT", "TN")
 #: first asks for them, its convolutions and attention taken as bf16's (the same fallback kernels, within 2 % of each
 #: other in forward convolutions here)
 HALF_TIMED = ("fp32", "bf16")
+#: convolutions timed per dtype, ``(batch, image size)`` of 32 channels: 38 and 302 MFLOP in fp32, 19 in bf16
+CONV_SIZES = {"fp32": ((2, 32), (16, 32)), "bf16": ((4, 16),)}
 #: elementwise sizes timed, bytes per tensor (fp32), and the bytes of a pool that no cache holds
 SIZES = (64 << 10, 1 << 20, 8 << 20)
 POOL = 64 << 20
@@ -61,15 +65,18 @@ LOOP = 256
 
 @dataclass(frozen=True)
 class CpuProfile:
-    """What this CPU achieved. ``gemm[dtype][layout]``: the fitted matmul model; ``conv``/``attention[dtype]``:
-    ``(forward, backward)`` FLOP/s; ``conv_fixed``: seconds a convolution costs at least; ``memory``: ``(bytes an op
+    """What this CPU achieved. ``gemm[dtype][layout]``: the fitted matmul model; ``conv[dtype]``: ``(forward FLOPs,
+    forward FLOP/s, backward FLOP/s)`` of each convolution timed, smallest first; ``attention[dtype]``: ``(forward,
+    backward)`` FLOP/s; ``conv_fixed``: seconds a convolution costs at least; ``memory``: ``(bytes an op
     moved, seconds per byte moved, seconds per byte allocated)`` by size, smallest first; ``element[kind]``: seconds
     per element of the ops that compute more than they move (fp32); ``convert[dtype]``: extra seconds per element in
-    bf16 or fp16; ``op_overhead``: seconds each op of a training step adds; ``dispatch``: seconds of a bare op."""
+    bf16 or fp16; ``op_overhead``: seconds each op of a training step adds; ``dispatch``: seconds of a bare op;
+    ``seconds`` and ``cpu_seconds``: what measuring it took, on the wall clock and on this thread's CPU clock (on a
+    busy machine the wall clock's figure is several times the other)."""
 
     threads: int
     gemm: dict[str, dict[str, GemmFit]]
-    conv: dict[str, tuple[float, float]]
+    conv: dict[str, tuple[tuple[float, float, float], ...]]
     conv_fixed: float
     attention: dict[str, tuple[float, float]]
     memory: tuple[tuple[float, float, float], ...]
@@ -78,6 +85,7 @@ class CpuProfile:
     op_overhead: float
     dispatch: float
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -101,6 +109,20 @@ class CpuProfile:
                 w = (math.log(nbytes) - math.log(sa)) / (math.log(sb) - math.log(sa))
                 return ma + (mb - ma) * w, fa + (fb - fa) * w
         return pts[-1][1], pts[-1][2]
+
+    def conv_rate(self, dtype: str, forward: bool, flops: float) -> float:
+        """FLOP/s of a convolution of ``dtype`` (fp16 as bf16, other dtypes as fp32) in either direction whose
+        forward does ``flops``: interpolated in log FLOPs between the sizes timed (oneDNN's rate grows with the
+        work), the ends' rates beyond them."""
+        pts = self.conv.get(dtype) or self.conv.get("bf16" if dtype == "fp16" else "fp32") or self.conv["fp32"]
+        col = 1 if forward else 2
+        if flops <= pts[0][0]:
+            return pts[0][col]
+        for a, b in zip(pts, pts[1:]):
+            if flops <= b[0]:
+                w = (math.log(flops) - math.log(a[0])) / (math.log(b[0]) - math.log(a[0]))
+                return math.exp(math.log(a[col]) + (math.log(b[col]) - math.log(a[col])) * w)
+        return pts[-1][col]
 
     def gemm_fit(self, dtype: str, layout: str) -> GemmFit:
         """The matmul model of ``dtype`` (fp32's for integer and other dtypes), timed now if it was not yet; a layout
@@ -126,7 +148,8 @@ class CpuProfile:
                           f"{self.gemm_fit(d, 'NT').rate(512, 512, 512) / 1e9:.1f}/"
                           f"{self.gemm_fit(d, 'TN').rate(512, 512, 512) / 1e9:.1f}" for d in self.gemm)
         threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
-        return (f"this CPU, {threads} (measured in {self.seconds:.1f} s): 512³ matmul GFLOP/s (A·B / A·Bᵀ / Aᵀ·B) "
+        took = f"{self.cpu_seconds:.1f} s of CPU, {self.seconds:.1f} s wall"
+        return (f"this CPU, {threads} (measured in {took}): 512³ matmul GFLOP/s (A·B / A·Bᵀ / Aᵀ·B) "
                 f"{rates}; memory {self.bandwidth / 1e9:.1f} GB/s ({self.cached_bandwidth / 1e9:.1f} within the "
                 f"caches); {self.op_overhead * 1e6:.1f} µs per op of a training step")
 
@@ -200,14 +223,14 @@ _CONV_ARGS = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
 
 
 def _add_conv(probes: Probes, name: str, batch: int, size: int) -> float:
-    """Probes ``("conv", dtype, forward?)`` of a 3×3 convolution of 32 channels on ``batch`` images of ``size``²;
-    returns its forward FLOPs (the backward's are twice them)."""
+    """Probes ``("conv", dtype, forward?, batch)`` of a 3×3 convolution of 32 channels on ``batch`` images of
+    ``size``²; returns its forward FLOPs (the backward's are twice them)."""
     x = torch.randn(batch, 32, size, size).to(DTYPES[name])
     w = torch.randn(32, 32, 3, 3).to(DTYPES[name])
     y = torch.ops.aten.convolution(x, w, None, *_CONV_ARGS)
     g = torch.randn_like(y)
-    probes.add(("conv", name, True), lambda: torch.ops.aten.convolution(x, w, None, *_CONV_ARGS), 2)
-    probes.add(("conv", name, False), lambda: torch.ops.aten.convolution_backward(g, x, w, None, *_CONV_ARGS,
+    probes.add(("conv", name, True, batch), lambda: torch.ops.aten.convolution(x, w, None, *_CONV_ARGS), 2)
+    probes.add(("conv", name, False, batch), lambda: torch.ops.aten.convolution_backward(g, x, w, None, *_CONV_ARGS,
                                                                                  [True, True, False]), 2)
     return 2.0 * y.numel() * w[0].numel()
 
@@ -293,7 +316,7 @@ def _elements(best: dict[Any, float]) -> tuple[dict[str, float], dict[str, float
     return element, convert
 
 
-def _tiny_step() -> tuple[float, int, float]:
+def _tiny_step() -> tuple[float, int, tuple[float, float]]:
     """Seconds and ops of one training step of a model whose tensors are tiny: forward, backward and an Adam-like
     update written as ``torch.optim``'s per-parameter loop writes it (an optimizer object would import TorchDynamo,
     seconds, where nothing imported it yet)."""
@@ -325,24 +348,26 @@ def _tiny_step() -> tuple[float, int, float]:
             p.grad = None
 
     step()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.thread_time()
     with Count():
         step()
-    counting = time.perf_counter() - t
+    counting = time.perf_counter() - t, time.thread_time() - c
     return _best(step, 5), Count.ops, counting
 
 
 def measure_cpu() -> CpuProfile:
     """Time this CPU now (about a second and a half); see the module's documentation. The matmuls of fp16, which a
     CPU plan does not choose, are timed when an op first asks for them (:meth:`CpuProfile.gemm_fit`)."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     probes = Probes()
     pool = torch.zeros(POOL // 4)
     with torch.no_grad():
         for name in HALF_TIMED:
             add_gemms(probes, name)
-        # fp32 convolutions as large as a step's (oneDNN's rate grows with the work); the half types' fallback is slow
-        conv_flops = {name: _add_conv(probes, name, *((8, 32) if name == "fp32" else (4, 16))) for name in HALF_TIMED}
+        # fp32 convolutions small and as large as a step's (oneDNN's rate grows with the work); the half types'
+        # fallback is slow, and its rate does not grow
+        conv_flops = {name: [(b, _add_conv(probes, name, b, size)) for b, size in CONV_SIZES[name]]
+                      for name in HALF_TIMED}
         tiny_x, tiny_w = torch.randn(1, 4, 4, 4), torch.randn(4, 4, 3, 3)
         probes.add(("conv fixed",), lambda: torch.ops.aten.convolution(tiny_x, tiny_w, None, *_CONV_ARGS), 5)
         attention_flops = {name: _add_attention(probes, name) for name in HALF_TIMED}
@@ -351,14 +376,15 @@ def measure_cpu() -> CpuProfile:
         best = probes.run()
     del pool
     gemm = {name: gemm_fits(best, name) for name in HALF_TIMED}
-    conv = {name: (f / best[("conv", name, True)], 2 * f / best[("conv", name, False)])
-            for name, f in conv_flops.items()}
+    conv = {name: tuple((f, f / best[("conv", name, True, b)], 2 * f / best[("conv", name, False, b)])
+                        for b, f in sizes) for name, sizes in conv_flops.items()}
     attention = {name: (f / best[("attention", name, True)], b / best[("attention", name, False)])
                  for name, (f, b) in attention_flops.items()}
     element, convert = _elements(best)
-    step, ops, counting = _tiny_step()
+    step, ops, counting = _tiny_step()  # less the first count's import of sympy
     return CpuProfile(torch.get_num_threads(), gemm, conv, best[("conv fixed",)], attention, _memory(best), element,
-                      convert, step / max(ops, 1), best[("dispatch",)] / LOOP, time.perf_counter() - t0 - counting)
+                      convert, step / max(ops, 1), best[("dispatch",)] / LOOP, time.perf_counter() - t0 - counting[0],
+                      time.thread_time() - c0 - counting[1])
 
 
 _PROFILES: dict[int, CpuProfile] = {}
