@@ -74,6 +74,8 @@ CHECKS = {
         "test_gpu_route_lists_the_kernels_process_within_5_percent"],
     "SDPA and dropout as CUDA runs them: a GPT-2 step's estimate within 5 % of max_memory_allocated": [
         "test_gpu_gpt2_step_estimate_matches_max_memory_allocated"],
+    "autocast as CUDA runs it: GPT-2, Llama, Linear-LayerNorm-Softmax, bf16 and fp16, within 5 %": [
+        "test_gpu_autocast_step_estimate_matches_max_memory_allocated"],
     "OOM cell: allocator read after its frames are released": [
         "test_gpu_out_of_memory_cell_reads_the_allocator_after_releasing_its_frames"],
     "peak counter reset inside the cell: the replay is the peak": [

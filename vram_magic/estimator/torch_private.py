@@ -208,6 +208,20 @@ __all__ = [
 ]
 
 
+def operator_names() -> list[str]:
+    """Every operator the dispatcher knows, as ``"aten::layer_norm"``, ``"aten::pow.Scalar"``
+    (``torch._C._dispatch_get_all_op_names``; read on torch 2.5.1 and 2.13)."""
+    import torch
+
+    return list(torch._C._dispatch_get_all_op_names())
+
+
+def destroy_library(library: Any) -> None:
+    """Remove what a ``torch.library.Library`` registered now, not when it is collected (``Library._destroy``; the
+    kernels it overrode come back; read on torch 2.5.1 and 2.13)."""
+    library._destroy()
+
+
 def function_modes() -> list[Any]:
     r"""The ``TorchFunctionMode``\ s active now, outermost first (``torch.overrides._get_current_function_mode_stack``;
     read on torch 2.13, and an empty list where a release lacks it)."""

@@ -23,6 +23,7 @@ import torch
 from ...engine.kv_cache import KV_CACHE
 from ...engine.registry import LiveStorages
 from ..options import Options, short_dtype
+from ..target.autocast import cuda_autocast
 from ..torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode
 from ..tracing.errors import EstimateError
 from ..tracing.fake import from_specs, resize, size_of, tensors_in
@@ -180,10 +181,12 @@ def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensor
     learnt = LoopRecorder(tracer, registry, spec)
     plan = Plan(spec.new_tokens, on_event=learnt.event, cuda=cuda is not None)
     learnt.plan = plan
-    amp = torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else _null()
+    autocast = cuda_autocast(opts.device, opts.amp)  # amp= for CUDA: CUDA's op lists (target/autocast.py)
+    amp = autocast.region(opts.amp) if autocast is not None else \
+        torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else _null()
     problem = None
     try:
-        with mode, tracer, not_tracing(), torch.inference_mode(), amp:
+        with autocast or _null(), mode, tracer, not_tracing(), torch.inference_mode(), amp:
             tracer.stage = FORWARD
             if kind == "transformers":
                 result = _hf_generate(model, inputs, spec, plan)
@@ -204,6 +207,8 @@ def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensor
         at = f" at {op[0]} on ({op[2]}) in module {op[1]!r}" if op else ""
         raise EstimateError(f"generate() on fake tensors raised {type(err).__name__}{at}: "
                             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
+    if autocast is not None:
+        notes.append(autocast.note())
     trace = _step_trace(tracer, owner, learnt, model, params, batch, seq, notes, problem, t0)
     facts = learnt.summary(kind, batch, seq, plan, model)
     facts["kernels"] = dict(tracer.kernels)
