@@ -180,9 +180,8 @@ def test_what_a_gpu_needs_is_enough_for_the_real_call():
     """The real generate() with PyTorch's allocator limited (a memory fraction; the CUDA context is outside it) to
     what the estimate says the allocator needs, + 5 % and a 20 MiB segment, runs through; limited to the live
     blocks the estimate saw at that peak, less 5 %, it runs out."""
-    from vram_magic.estimator.target.gpus import GPU
-
     import vram_magic
+    from vram_magic.estimator.target.gpus import GPU
 
     case = CASES["Llama MHA, long generation (peak at the last step)"]
     props = torch.cuda.get_device_properties(0)

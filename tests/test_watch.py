@@ -15,8 +15,6 @@ import torch
 from conftest import run
 from IPython.core.error import UsageError
 
-from vram_magic.render.monitor import watch_html, watch_text
-from vram_magic.session import Session
 from vram_magic.monitor import (
     WATCH_USAGE,
     Sample,
@@ -27,6 +25,8 @@ from vram_magic.monitor import (
     process_rss,
     watch_device,
 )
+from vram_magic.render.monitor import watch_html, watch_text
+from vram_magic.session import Session
 
 
 class FakeCuda:

@@ -3,8 +3,8 @@ kept in the session between cells."""
 
 from __future__ import annotations
 
-from ..session import Session
 from ..monitor import parse_watch, start_watch, watch_device
+from ..session import Session
 from .checks import Host
 from .display import has_frontend
 

@@ -108,8 +108,8 @@ class _RankRun:
     def __init__(self, folder: str, frame: Any) -> None:
         import torch.distributed as dist
 
-        from ..engine.cuda import cell as cuda
         from ..engine.cell.measurement import Measurement
+        from ..engine.cuda import cell as cuda
         from ..engine.registry import LiveStorages
 
         self.folder = folder

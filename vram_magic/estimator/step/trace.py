@@ -18,6 +18,7 @@ from ...engine.phases import PHASE_CATEGORY, Phase, phase_category
 from ...engine.registry import LiveStorages
 from ..options import Options
 from ..target.attention import CudaAttention, CudaKernelMode
+from ..target.autocast import CudaAutocastMode, cuda_autocast
 from ..torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode
 from ..tracing.errors import EstimateError, failure_message
 from ..tracing.fake import (
@@ -82,7 +83,9 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float, sdp
     step.prepare()
     if sdpa is not None:
         step.tracer.attention = CudaAttention(*sdpa)
-    step.run()
+    step.autocast = cuda_autocast(opts.device, opts.amp)  # amp= for CUDA: CUDA's op lists (target/autocast.py)
+    with step.autocast if step.autocast is not None else contextlib.nullcontext():
+        step.run()
     return step.result(t0)
 
 
@@ -132,6 +135,7 @@ class _FakeStep:
         self.last_flops: list[int] = []
         self.n_micro = 1 if opts.inference else min(opts.accumulate, 2)
         self.ops_start = 0  # the op log's row where the last step starts
+        self.autocast: Any = None  # CUDA's autocast policy (target/autocast.py), for amp= estimates for CUDA
 
     # --- the model and its inputs on fake tensors -------------------------------------------------------------
     def build(self) -> None:
@@ -157,7 +161,8 @@ class _FakeStep:
             self.notes += self.parallel.notes
         self.units = checkpoint_units(model)
         if opts.checkpointing and not opts.inference:
-            self.notes.append("checkpointing: " + enable_checkpointing(model, self.units, int(opts.checkpointing)))
+            self.notes.append("checkpointing: " + enable_checkpointing(model, self.units, int(opts.checkpointing),
+                                                                       modes=not self.compiled))
         self.model = model
 
     # --- the optimizer, the storages alive before the step, the tracer ------------------------------------------
@@ -229,10 +234,11 @@ class _FakeStep:
         # autodiff, other saved tensors) from the next call with the same input types on: real steps until then
         scripted = has_scripted(self.model)
         steps = max(opts.steps, 3) if scripted and opts.steps > 1 else opts.steps
-        self.amp: Any = torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else contextlib.nullcontext()
+        self.amp: Any = self.autocast.region(opts.amp) if self.autocast is not None else \
+            torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else contextlib.nullcontext()
         try:
             with self.mode, tracer, _compiled_step(bool(self.compiled), tracer), not_tracing(), \
-                    _attention_mode(tracer, bool(self.compiled)):
+                    _attention_mode(tracer, bool(self.compiled)), _autocast_mode(self.autocast, bool(self.compiled)):
                 for step in range(steps):
                     last = step == steps - 1
                     if last:
@@ -323,6 +329,8 @@ class _FakeStep:
             note = tracer.attention.note()
             if note:
                 self.notes.append(note)
+        if self.autocast is not None:
+            self.notes.append(self.autocast.note())
         step_flops = [now - before for now, before in zip(tracer.flops, self.last_flops or [0] * len(tracer.flops))]
         scale = opts.accumulate / self.n_micro if opts.accumulate > 1 else 1.0
         flops = {
@@ -412,6 +420,13 @@ def _attention_mode(tracer: StepTracer, compiled: bool) -> Any:
     if tracer.attention is None or compiled:
         return contextlib.nullcontext()
     return CudaKernelMode(tracer.attention)
+
+
+def _autocast_mode(autocast: Any, compiled: bool) -> Any:
+    """CUDA's autocast for the functions the attention mode catches, entered above it (not in compiled models)."""
+    if autocast is None or compiled:
+        return contextlib.nullcontext()
+    return CudaAutocastMode(autocast)
 
 
 def _claim_state(optimizer: torch.optim.Optimizer, claim: Callable[..., int | None], host_scalars: set[int]) -> None:
