@@ -124,8 +124,8 @@ def test_generation_notebook_counts_the_cache_worked_out_by_hand() -> None:
     assert hand == measured == 2 * 4 * 2 * 32 * 4 * 2 * (256 + 31)  # K and V, layers, kv heads, head dim, fp32, batch
 
 
-def test_there_are_eight_notebooks() -> None:
-    assert [p.name[:3] for p in NOTEBOOKS] == ["01_", "02_", "03_", "04_", "05_", "06_", "07_", "08_"]
+def test_there_are_nine_notebooks() -> None:
+    assert [p.name[:3] for p in NOTEBOOKS] == ["01_", "02_", "03_", "04_", "05_", "06_", "07_", "08_", "09_"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
@@ -166,9 +166,12 @@ def test_notebook_executes_with_static_reports(path: Path, request: pytest.Fixtu
         if expected_text is None:
             continue
         measured += 1
-        reports = [o.data for o in cell.outputs if o.output_type in ("display_data", "execute_result")
-                   and "vram-report" in o.get("data", {}).get("text/html", "")]
+        shown = [o.data for o in cell.outputs if o.output_type in ("display_data", "execute_result")
+                 and "vram-report" in o.get("data", {}).get("text/html", "")]
+        reports = [d for d in shown if "vram-plan-check" not in d["text/html"]]
         assert len(reports) == 1, f"cell {index}: {len(reports)} reports\n{cell.source}"
+        if "--plan" in cell.source.lstrip().splitlines()[0].split():  # and the row it follows, beside it
+            assert len(shown) == 2, f"cell {index}: no plan check beside the report\n{cell.source}"
         data = reports[0]
         assert data["text/plain"].startswith(expected_text), f"cell {index}: text {data['text/plain'][:80]!r}"
         assert "vram-bar" in data["text/html"] and "vram-live" not in data["text/html"], f"cell {index}"
