@@ -33,8 +33,9 @@ from vram_magic.estimator.tracing.oplog import (
 
 FORWARD, BACKWARD, OPTIMIZER = int(Phase.FORWARD), int(Phase.BACKWARD), int(Phase.OPTIMIZER)
 NN, NT, TN = (LAYOUTS.index(x) for x in ("NN", "NT", "TN"))
-# seconds: fixed, per result element, per operand element, per multiply-add FLOP at n = 64, 256, 1024, 2048
-COEF = (1e-5, 1e-9, 2e-10, 4e-11, 3e-11, 2e-11, 1e-11)
+# seconds: fixed, per result element, per operand element, per multiply-add at n = 64, 256, 1024, 2048, per
+# multiply-add and doubling of k beyond 256 (none here; test_a_long_inner_dimension_adds_its_own_cost)
+COEF = (1e-5, 1e-9, 2e-10, 4e-11, 3e-11, 2e-11, 1e-11, 0.0)
 
 
 def profile(**changes) -> CpuProfile:
@@ -142,14 +143,22 @@ def test_time_ops_sorts_the_cpu_rows_into_compute_memory_recompute_and_optimizer
 def test_the_gemm_fit_recovers_the_coefficients_it_was_made_from():
     truth = GemmFit(COEF)
     shapes = [(64, 512, 64), (64, 512, 256), (64, 512, 1024), (64, 512, 2048), (512, 128, 64), (512, 128, 2048),
-              (64, 2048, 256), (512, 64, 1024), (2048, 64, 256), (8, 64, 64), (300, 100, 700)]
+              (64, 2048, 256), (512, 64, 1024), (2048, 64, 256), (8, 64, 64), (300, 100, 700), (16, 1024, 512)]
     fit = fit_gemm([(m, n, k, truth.seconds(m, n, k)) for m, k, n in shapes])
     assert fit.worst < 1e-9
     assert fit.coef == pytest.approx(COEF, rel=1e-6)
     # the cost per FLOP pair is linear in log2 n between the knots, flat beyond them
-    assert features(1, KNOTS[0] // 2, 1)[3:] == [KNOTS[0] // 2, 0, 0, 0]
-    assert features(1, 4 * KNOTS[-1], 1)[3:] == [0, 0, 0, 4 * KNOTS[-1]]
-    assert features(1, 2 * KNOTS[0], 1)[3:] == [KNOTS[0], KNOTS[0], 0, 0]  # halfway (in log2) from 256 to 1024
+    assert features(1, KNOTS[0] // 2, 1)[3:7] == [KNOTS[0] // 2, 0, 0, 0]
+    assert features(1, 4 * KNOTS[-1], 1)[3:7] == [0, 0, 0, 4 * KNOTS[-1]]
+    assert features(1, 2 * KNOTS[0], 1)[3:7] == [KNOTS[0], KNOTS[0], 0, 0]  # halfway (in log2) from 256 to 1024
+
+
+def test_a_long_inner_dimension_adds_its_own_cost():
+    # 4e-12 s per multiply-add and doubling of k beyond 256: k = 1024 is two doublings
+    fit = GemmFit((0.0, 0.0, 0.0, 1e-11, 1e-11, 1e-11, 1e-11, 4e-12))
+    assert fit.seconds(8, 64, 256) == pytest.approx(8 * 64 * 256 * 1e-11)
+    assert fit.seconds(8, 64, 1024) == pytest.approx(8 * 64 * 1024 * (1e-11 + 2 * 4e-12))
+    assert fit.seconds(8, 64, 100) == pytest.approx(8 * 64 * 100 * 1e-11)  # shorter: no extra
 
 
 def test_a_term_fitted_negative_is_dropped():
@@ -204,7 +213,7 @@ def test_a_real_mlps_matmul_seconds_are_its_flops_worked_out_from_its_layers():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
     batch = 32
-    flat = GemmFit((0.0, 0.0, 0.0, 2e-11, 2e-11, 2e-11, 2e-11))
+    flat = GemmFit((0.0, 0.0, 0.0, 2e-11, 2e-11, 2e-11, 2e-11, 0.0))
     p = profile(gemm={"fp32": {lay: flat for lay in ("NN", "NT", "TN")}}, op_overhead=0.0,
                 memory=((1e5, 1e-30, 0.0), (1e7, 1e-30, 0.0)), element={}, convert={})
     est = vram_magic.estimate(model, torch.randn(batch, 256), device="cpu")

@@ -1,8 +1,9 @@
 """A CPU's matmul time as a function of its shape, fitted to a few GEMMs timed on this machine.
 
-A GEMM of ``(m, k) @ (k, n)`` takes ``t0 + α·m·n + γ·(m·k + k·n) + β(n)·m·n·k`` seconds: a fixed cost, the result's
-elements written, the operands packed or streamed, and the multiply-adds, whose cost per FLOP ``β`` depends on ``n``
-(piecewise linear in log₂ n between :data:`KNOTS`). That last term is what a CPU without native half-precision
+A GEMM of ``(m, k) @ (k, n)`` takes ``t0 + α·m·n + γ·(m·k + k·n) + (β(n) + δ·log₂(k / 256)⁺)·m·n·k`` seconds: a fixed
+cost, the result's elements written, the operands packed or streamed, and the multiply-adds, whose cost per FLOP
+``β`` depends on ``n`` (piecewise linear in log₂ n between :data:`KNOTS`) and grows with the length ``k`` of the
+columns read. That last term is what a CPU without native half-precision
 instructions needs: PyTorch's fallback kernels for bf16 and fp16 (``aten/src/ATen/native/cpu/BlasKernel.cpp``) compute
 dot products along strided columns whose stride is the row length ``n`` of the right operand, and rows of a power-of-two
 length map onto few cache sets (on an AVX2 CPU, bf16 ``(16, 256) @ (256, n)`` in row-major order ran 1.4 GFLOP/s at
@@ -20,6 +21,9 @@ import torch
 
 #: the row lengths ``n`` between which the cost per FLOP is interpolated
 KNOTS = (64, 256, 1024, 2048)
+#: the inner dimension beyond which each doubling adds its own cost per FLOP (bf16 ``(512, k) @ (k, 256)`` in
+#: row-major order ran 0.25 GFLOP/s at k = 2048, twice the time a fit on n alone gave)
+LONG = 256
 
 
 def _hats(n: float) -> list[float]:
@@ -41,9 +45,10 @@ def _hats(n: float) -> list[float]:
 
 
 def features(m: float, n: float, k: float) -> list[float]:
-    """The terms of the model for one ``(m, k) @ (k, n)``: ``1, m·n, m·k + k·n, m·n·k`` spread over the knots."""
+    """The terms of the model for one ``(m, k) @ (k, n)``: ``1, m·n, m·k + k·n, m·n·k`` spread over the knots, and
+    ``m·n·k·log₂(k / 256)`` beyond k = 256 (a column of the right operand longer than the caches hold)."""
     mnk = m * n * k
-    return [1.0, m * n, m * k + k * n, *(mnk * h for h in _hats(n))]
+    return [1.0, m * n, m * k + k * n, *(mnk * h for h in _hats(n)), mnk * math.log2(max(k, LONG) / LONG)]
 
 
 @dataclass(frozen=True)
@@ -91,4 +96,4 @@ def fit_gemm(points: Sequence[tuple[int, int, int, float]]) -> GemmFit:
     return GemmFit(tuple(coef), worst)
 
 
-__all__ = ["KNOTS", "GemmFit", "features", "fit_gemm", "nonnegative_fit"]
+__all__ = ["KNOTS", "LONG", "GemmFit", "features", "fit_gemm", "nonnegative_fit"]
