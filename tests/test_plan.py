@@ -102,6 +102,24 @@ def test_every_row_is_the_estimate_its_options_give_and_rows_are_fastest_first()
     assert len(plan.scored) >= len(plan.rows) and sum(s.exact for s in plan.scored) >= len(plan.rows)
 
 
+def test_combinations_the_screen_overstates_are_estimated_exactly_and_ranked_by_time(monkeypatch):
+    """The screen scales its anchor; where that overstates what a combination needs (an anchor's peak in another
+    phase), the closest it ruled out are estimated exactly: those that fit are rows, fastest first, not the
+    'nothing fits' list ordered by memory."""
+    from vram_magic.estimator.explore.plan import Planner
+
+    screen = Planner.screen
+    monkeypatch.setattr(Planner, "screen", lambda self, c: (lambda n, t: (n + 100 * MiB, t))(*screen(self, c)))
+    model, x = mlp(), torch.randn(512, 256)
+    plan = vram_magic.plan(model, x, device="cpu", budget="42MiB", top=3)
+    assert plan.rows and all(r.fits for r in plan.rows) and plan.best is plan.rows[0]
+    assert [r.step_time for r in plan.rows] == sorted(r.step_time for r in plan.rows)
+    assert not any("nothing fits" in n for n in plan.notes)
+    assert any("although the screen put them above the capacity" in n for n in plan.notes)
+    for row in plan.rows:
+        assert vram_magic.estimate(model, x, **row.options).needed == row.needed <= 42 * MiB
+
+
 def test_nothing_fits_says_so_and_shows_the_closest():
     plan = vram_magic.plan(mlp(), torch.randn(8, 256), device="cpu", budget="1MiB", top=3)
     assert plan.best is None and plan.rows and not any(r.fits for r in plan.rows)

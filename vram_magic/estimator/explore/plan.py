@@ -266,6 +266,20 @@ def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request:
         if est.fits:
             rows.append(_row(c, est, t, planner, tokens, request))
     notes: list[str] = []
+    if len(rows) < top:  # the screen can overstate what a combination needs (its anchor's peak may lie in another
+        # phase than the combination's): the closest it ruled out, estimated exactly while too few rows fit
+        ruled_out = sorted((s for s in scored if s[1] > capacity), key=lambda s: s[1])
+        found, limit = len(rows), min(MAX_EXACT, len(exact) + top // 2 + 1)
+        for c, _needed, _t in ruled_out:
+            if len(rows) >= top or len(exact) >= limit:
+                break
+            planner.say(f"estimating {describe(c, planner.base).name} exactly")
+            est, t = exact[c] = planner.exact(c)
+            if est.fits:
+                rows.append(_row(c, est, t, planner, tokens, request))
+        if len(rows) > found:
+            notes.append(f"{len(rows) - found} of the rows fit although the screen put them above the capacity: "
+                         "they were estimated exactly as the closest it ruled out")
     rows.sort(key=lambda r: r.step_time)
     if not rows:  # nothing fits: the closest by the screen, estimated exactly
         for c, _needed, _t in sorted(scored, key=lambda s: s[1])[:top]:
