@@ -54,6 +54,8 @@ def timed(title: str, target: str, **kwargs: Any) -> tuple[float, Any]:
     print(f"{title}: {seconds:.1f} s wall, {cpu:.1f} s of this process's CPU (target ≤ {target}); "
           f"{len(plan.scored)} combinations scored, {exact} estimated exactly, {plan.traced} fake runs, "
           f"{len(plan.rows)} rows that fit", flush=True)
+    for note in plan.notes:
+        print(f"  note: {note}", flush=True)
     if best is not None:
         print(f"  fastest: {best.name}: {best.step_time * 1e3:,.1f} ms a step, {best.throughput:,.0f} {plan.unit}, "
               f"needs {best.needed / 2**30:.2f} GiB of {plan.capacity / 2**30:.1f} GiB", flush=True)
