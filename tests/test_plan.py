@@ -42,6 +42,27 @@ def test_ops_are_timed_by_their_flops_bytes_and_the_devices_floor():
     assert cost.time_ops(log, rates, start=4).optimizer == pytest.approx(0.001)  # the last step's rows only
 
 
+def test_a_smaller_micro_batch_scales_each_ops_work_and_keeps_its_floor():
+    """The screen's time of a micro-batch a quarter of the traced one's: each op's FLOPs and bytes a quarter, each op
+    at least the device's floor, the optimizer as traced (a quarter of the totals would be 5.00125 ms)."""
+    from types import SimpleNamespace
+
+    from vram_magic.estimator.explore.timing import scaled_micro_ops
+
+    log = OpLog()
+    log.add(1, MATMUL, 1, False, 2e12, 1e9)  # 20 ms; a quarter: 5 ms
+    for _ in range(100):
+        log.add(1, POINTWISE, 0, False, 0, 1e4)  # 10 ns each at 1 TB/s, below the 5 µs floor: 0.5 ms, scaled or not
+    log.add(3, POINTWISE, 0, False, 0, 1e9)  # the optimizer: 1 ms, whatever the micro-batch
+    rates = Rates("test", lambda dtype, flops: 100e12, 1e12, 0.0, 5e-6, "")
+    trace = SimpleNamespace(ops=log, ops_start=0, micro_steps=1)
+    whole = scaled_micro_ops(trace, rates, 1.0)
+    quarter = scaled_micro_ops(trace, rates, 0.25)
+    assert whole.compute == pytest.approx(0.020) and whole.memory == pytest.approx(100 * 5e-6)
+    assert quarter.compute == pytest.approx(0.005) and quarter.memory == pytest.approx(100 * 5e-6)
+    assert quarter.optimizer == whole.optimizer == pytest.approx(0.001)
+
+
 def test_ring_collectives_by_hand():
     bw = 300 * GB  # an A100's NVLink per direction, at 80 %: 240 GB/s
     grads = params = 1 * GB

@@ -31,7 +31,7 @@ from ..tracing.errors import EstimateError
 from ..tracing.request import Request
 from .choices import Choice, describe
 from .cost import OpTimes, StepTime
-from .timing import Network, micro_ops, network_for, rates_for, step_time
+from .timing import Network, micro_ops, network_for, rates_for, scaled_micro_ops, step_time
 
 #: what ``allow=`` may name: LoRA/QLoRA (changes what is trained), weight quantization (with LoRA), another
 #: optimizer, a smaller global batch, tensor and pipeline parallelism over the GPUs
@@ -91,6 +91,7 @@ class Planner:
         self.base, self.target, self.gpus, self.net, self.progress = base, target, gpus, net, progress
         self.rates = rates_for(base.device, target.gpu)
         self.anchors: dict[Any, _Anchor] = {}
+        self.timed: dict[Any, OpTimes] = {}
 
     def say(self, text: str) -> None:
         if self.progress is not None:
@@ -127,13 +128,20 @@ class Planner:
         share = c.micro / a.micro
         needed = a.needed - a.activations * (1 - share)
         opts = self.options(c)
-        if c.accumulate > 1 and c.pp == 1:
-            needed += a.trace.grad_bytes
-        ops = OpTimes(a.ops.compute * share, a.ops.memory * share, a.ops.recompute * share, a.ops.optimizer)
         layout = ZeroLayout.of(opts, a.trace)
+        if c.accumulate > 1 and c.pp == 1:  # the gradients kept into the next micro-batch: a rank's shard with ZeRO-2/3
+            needed += -(-a.trace.grad_bytes // layout.world) if layout.stage >= 2 else a.trace.grad_bytes
+        ops = self.scaled(c, a, share)
         states = layout.model_states(a.trace, opts, a.trace.state_bytes)
         needed += states - a.model_states + sum(layout.buffers(True).values())
         return int(needed), step_time(ops, opts, a.trace, self.net)
+
+    def scaled(self, c: Choice, a: _Anchor, share: float) -> OpTimes:
+        """The anchor's ops timed at ``share`` of its micro-batch (once per trace class and micro-batch)."""
+        key = (c.trace_class(), c.micro)
+        if key not in self.timed:
+            self.timed[key] = scaled_micro_ops(a.trace, self.rates, share)
+        return self.timed[key]
 
     def exact(self, c: Choice) -> tuple[Any, StepTime]:
         opts = self.options(c)

@@ -10,6 +10,7 @@ ring across hosts runs at its slowest link.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,23 @@ def micro_ops(trace: Trace, rates: Rates) -> OpTimes:
     t = time_ops(trace.ops, rates, trace.ops_start)
     n = max(trace.micro_steps, 1)
     return OpTimes(t.compute / n, t.memory / n, t.recompute / n, t.optimizer, t.ops)
+
+
+def scaled_micro_ops(trace: Trace, rates: Rates, share: float) -> OpTimes:
+    """:func:`micro_ops` of a micro-batch ``share`` times the traced one's: each op's FLOPs and bytes scaled, each
+    op still paying the device's floor and launch cost (a linear scaling of the totals would scale those too and
+    make small micro-batches look cheap). The optimizer's ops, which do not depend on the batch, as traced. On a
+    device with rules of its own per op (the CPU: matmul shapes), the totals scaled."""
+    ops = micro_ops(trace, rates)
+    if share == 1 or rates.op_time is not None:
+        return OpTimes(ops.compute * share, ops.memory * share, ops.recompute * share, ops.optimizer, ops.ops)
+    log, start = trace.ops, trace.ops_start
+    scaled = OpLog(log.stage[start:], log.kind[start:], log.dtype[start:], log.recompute[start:],
+                   array("d", (f * share for f in log.flops[start:])),
+                   array("d", (b * share for b in log.bytes[start:])))
+    t = time_ops(scaled, rates)
+    n = max(trace.micro_steps, 1)
+    return OpTimes(t.compute / n, t.memory / n, t.recompute / n, ops.optimizer, t.ops)
 
 
 def step_time(ops: OpTimes, opts: Options, trace: Trace, net: Network) -> StepTime:
