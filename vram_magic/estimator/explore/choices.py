@@ -78,8 +78,13 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
     if c.checkpointing:
         every = int(c.checkpointing)
         changes.append("checkpointing" + (f" every {every} blocks" if every > 1 else ""))
-        if hf and every == 1:
-            code.append("model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})")
+        if hf and (every == 1 or callable(getattr(built, "activation_checkpointing_enable", None))):
+            # transformers 5.x names it activation_checkpointing_enable (gradient_checkpointing_enable deprecated)
+            switch, kwargs = ("activation_checkpointing_enable", "activation_checkpointing_kwargs") \
+                if callable(getattr(built, "activation_checkpointing_enable", None)) else \
+                ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs")
+            every_n = f", every_n_layers={every}" if every > 1 else ""
+            code.append(f"model.{switch}({kwargs}={{'use_reentrant': False}}{every_n})")
         else:
             code.append("from torch.utils.checkpoint import checkpoint\n"
                         f"# in the forward, around {'every block' if every == 1 else f'one block in {every}'}:\n"
