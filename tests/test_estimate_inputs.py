@@ -185,3 +185,14 @@ def test_magic_help_prints_the_options(shell, capsys):
     assert r.error_in_exec is None
     out = capsys.readouterr().out
     assert "%vram_estimate [--input EXPR]" in out and "--master-weights" in out and "--loss" in out
+
+
+def test_a_builder_that_raises_is_named_for_a_step_and_for_generate():
+    """A builder's own exception is said plainly, the same for a training step and for generate()."""
+    def broken() -> nn.Module:
+        raise RuntimeError("no such checkpoint")
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    for kwargs in ({}, {"generate": 4}):
+        with pytest.raises(EstimateError, match="building the model raised RuntimeError: no such checkpoint"):
+            vram_magic.estimate(broken, ids, device="cpu", **kwargs)

@@ -119,15 +119,7 @@ def trace_generate(request: Request, opts: Options, spec: GenerateSpec, *, cuda:
 
 
 def _fake_model(request: Request, opts: Options, mode: FakeTensorMode) -> tuple[Any, list[str]]:
-    try:
-        model, _compiled = request.source.fake(mode, opts.dtype)
-    except (TypeError, ValueError):
-        raise
-    except FAKE_PROBLEMS as err:
-        raise EstimateError(f"building the model on fake tensors failed at {err}: the model's constructor reads "
-                            "tensor values; pass an nn.Module built normally instead of a builder") from err
-    except Exception as err:
-        raise EstimateError(f"building the model raised {type(err).__name__}: {err}") from err
+    model, _compiled = request.fake_model(mode, opts.dtype)
     model, notes = adapt_linear_layers(model, opts, mode)
     model.eval()
     return model, notes

@@ -89,19 +89,6 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float, sdp
     return step.result(t0)
 
 
-def _fake_model(request: Request, opts: Options, mode: FakeTensorMode) -> tuple[nn.Module, dict[str, str]]:
-    """The model on fake tensors and its compiled parts; a constructor that fails says so plainly."""
-    try:
-        return request.source.fake(mode, opts.dtype)
-    except (TypeError, ValueError):
-        raise
-    except FAKE_PROBLEMS as err:
-        raise EstimateError(f"building the model on fake tensors failed at {err}: the model's constructor reads "
-                            "tensor values; pass an nn.Module built normally instead of a builder") from err
-    except Exception as err:
-        raise EstimateError(f"building the model raised {type(err).__name__}: {err}") from err
-
-
 def _shaped_specs(request: Request, opts: Options,
                   mode: FakeTensorMode) -> tuple[Any, int | None, int | None, int | None]:
     """``(specs, batch, seq, micro-batch)``: the inputs resized to the asked batch and sequence length, then to one
@@ -140,7 +127,7 @@ class _FakeStep:
     # --- the model and its inputs on fake tensors -------------------------------------------------------------
     def build(self) -> None:
         opts, mode = self.opts, self.mode
-        model, self.compiled = _fake_model(self.request, opts, mode)
+        model, self.compiled = self.request.fake_model(mode, opts.dtype)
         self.specs, self.batch, self.seq, self.micro_batch = _shaped_specs(self.request, opts, mode)
         if has_lazy(model):
             try:

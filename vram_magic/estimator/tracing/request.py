@@ -10,6 +10,7 @@ import torch
 from ..torch_private import FakeTensorMode
 from .errors import EstimateError
 from .fake import ModelSource, specs_in, to_specs
+from .tracer import FAKE_PROBLEMS
 
 
 class Request:
@@ -34,6 +35,18 @@ class Request:
         """What the report calls the model: the name given, else the model's class (a builder's once it has built
         one)."""
         return self.given_name or self.source.name
+
+    def fake_model(self, mode: FakeTensorMode, dtype: Any) -> tuple[Any, dict[str, str]]:
+        """The model on fake tensors and its compiled parts; a constructor that fails says so plainly."""
+        try:
+            return self.source.fake(mode, dtype)
+        except (TypeError, ValueError):
+            raise
+        except FAKE_PROBLEMS as err:
+            raise EstimateError(f"building the model on fake tensors failed at {err}: the model's constructor reads "
+                                "tensor values; pass an nn.Module built normally instead of a builder") from err
+        except Exception as err:
+            raise EstimateError(f"building the model raised {type(err).__name__}: {err}") from err
 
     def input_specs(self, mode: FakeTensorMode) -> Any:
         if self.specs is None:
