@@ -37,15 +37,17 @@ from .cpu_gemm import GemmFit, fit_gemm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: GEMMs timed per dtype and layout, ``(m, k, n)``: row lengths 64 … 2048 at two inner dimensions, tall-skinny and
-#: wide ones, a tiny one for the fixed cost, a few with few rows (a small batch's); the half types at a small m (the
-#: fallback kernels' rate does not depend on it, and they are slow), fp32 at m = 16 … 2048 (BLAS's own efficiency
-#: grows with it)
+#: wide ones, a tiny one for the fixed cost, a few with few rows (a small batch's); the half types at small m (they
+#: are slow), 8 and 32 so that the cost per element of the right operand (k·n, the same for every m) and per
+#: multiply-add (m·n·k) are told apart (at one m they are proportional, and a step's m = 512 extrapolated either way:
+#: bf16 A·B at 512³ read 1.2 to 3.2 GFLOP/s from one process to the next), fp32 at m = 16 … 2048 (BLAS's own
+#: efficiency grows with it)
 GEMM_SHAPES = {
     "fp32": ((64, 512, 64), (64, 512, 256), (64, 512, 1024), (64, 512, 2048), (512, 128, 64), (512, 128, 256),
              (512, 128, 1024), (512, 128, 2048), (64, 2048, 256), (512, 64, 1024), (2048, 64, 256), (8, 64, 64),
              (32, 512, 2048), (16, 1024, 512), (512, 1024, 256)),
-    "half": ((8, 256, 64), (8, 256, 256), (8, 256, 1024), (8, 256, 2048), (8, 512, 64), (8, 512, 256),
-             (8, 512, 1024), (8, 512, 2048), (64, 64, 256), (256, 64, 256), (4, 64, 64), (8, 1024, 256),
+    "half": ((8, 256, 64), (8, 256, 256), (8, 256, 1024), (8, 256, 2048), (32, 128, 64), (32, 128, 256),
+             (32, 128, 1024), (32, 128, 2048), (64, 64, 256), (256, 64, 256), (4, 64, 64), (8, 1024, 256),
              (8, 2048, 256), (8, 2048, 1024)),
 }
 LAYOUT_NAMES = ("NN", "NT", "TN")
