@@ -5,7 +5,6 @@ token at a time (``cuda.py``); its candidate changes (``candidates.py``) and its
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -17,6 +16,7 @@ from ..result import Candidate, GenerateEstimate, Strategy
 from ..target import Target
 from ..target.attention import DEFAULT_CAPABILITY, kernel_note
 from ..tracing.errors import EstimateError
+from ..tracing.kept import KeptTraces
 from ..tracing.request import Request
 from ..tracing.traced import Trace
 from .candidates import candidates, stranded_note
@@ -45,25 +45,23 @@ class GenerateWorkload:
 
     def __init__(self, request: Request, target: Target) -> None:
         self.request, self.target = request, target
-        self._traces: OrderedDict[Any, tuple[Trace, dict[str, Any]]] = OrderedDict()
-        self.traced = 0
+        self._traces: KeptTraces[tuple[Trace, dict[str, Any]]] = KeptTraces(KEPT_TRACES)
+
+    @property
+    def traced(self) -> int:
+        """Fake runs made (the rest of the estimates were replays)."""
+        return self._traces.made
 
     def trace(self, opts: Options) -> tuple[Trace, dict[str, Any]]:
         """The fake ``generate()`` run for ``opts`` and what its loop learnt, made once per configuration that
         changes it."""
         cap = capability(opts, self.target)
-        key = (opts.trace_key(), cap)
-        made = self._traces.get(key)
-        if made is None:
-            made = trace_generate(self.request, opts, spec_of(opts), cuda=cap)
-            if made[0].problem:  # the loop never ran: a partial figure would mislead
-                raise EstimateError(f"generate() could not be run on fake tensors: {made[0].problem}")
-            self.traced += 1
-            self._traces[key] = made
-            while len(self._traces) > KEPT_TRACES:
-                self._traces.popitem(last=False)
-        else:
-            self._traces.move_to_end(key)
+        return self._traces.get((opts.trace_key(), cap), lambda: self._make(opts, cap))
+
+    def _make(self, opts: Options, cap: tuple[int, int] | None) -> tuple[Trace, dict[str, Any]]:
+        made = trace_generate(self.request, opts, spec_of(opts), cuda=cap)
+        if made[0].problem:  # the loop never ran: a partial figure would mislead
+            raise EstimateError(f"generate() could not be run on fake tensors: {made[0].problem}")
         return made
 
     def evaluate(self, opts: Options) -> GenerateEstimate:

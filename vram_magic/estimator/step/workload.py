@@ -4,7 +4,6 @@ estimate a replay of that trace for one rank of the target (``replay.py``), with
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any
 
 from ..explore.search import bisected
@@ -14,6 +13,7 @@ from ..replay import from_trace
 from ..result import Candidate, StepEstimate, Strategy
 from ..target import Target
 from ..target.attention import target_capability
+from ..tracing.kept import KeptTraces
 from ..tracing.request import Request
 from ..tracing.traced import Trace
 from .candidates import candidates
@@ -30,24 +30,18 @@ class StepWorkload:
 
     def __init__(self, request: Request, target: Target) -> None:
         self.request, self.target = request, target
-        self._traces: OrderedDict[Any, Trace] = OrderedDict()
-        self.traced = 0  # fake runs made (the rest of the estimates were replays)
+        self._traces: KeptTraces[Trace] = KeptTraces(KEPT_TRACES)
+
+    @property
+    def traced(self) -> int:
+        """Fake runs made (the rest of the estimates were replays)."""
+        return self._traces.made
 
     def trace(self, opts: Options) -> Trace:
         """The fake run for ``opts``, made once per configuration that changes it (:meth:`Options.trace_key`, and the
         GPU's compute capability, which chooses CUDA's attention kernels)."""
         sdpa = target_capability(opts.device, self.target.gpu)
-        key = (opts.trace_key(), sdpa)
-        trace = self._traces.get(key)
-        if trace is None:
-            trace = trace_step(self.request, opts, sdpa)
-            self.traced += 1
-            self._traces[key] = trace
-            while len(self._traces) > KEPT_TRACES:
-                self._traces.popitem(last=False)
-        else:
-            self._traces.move_to_end(key)
-        return trace
+        return self._traces.get((opts.trace_key(), sdpa), lambda: trace_step(self.request, opts, sdpa))
 
     def evaluate(self, opts: Options) -> StepEstimate:
         if opts.parallel:  # a tensor- or pipeline-parallel job: one trace per rank's role
