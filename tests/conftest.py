@@ -55,7 +55,11 @@ def pytest_collection_modifyitems(config, items):
     GPU")`` count as cuda tests too, so ``pytest -m cuda`` (benchmarks/gpu_check.py) runs every GPU test."""
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     available = torch.cuda.is_available()
+    floor = _FLOOR_SKIPS if TORCH_BEFORE_2_6 else {}
     for item in items:
+        for prefix, reason in floor.items():
+            if item.nodeid.startswith(prefix):
+                item.add_marker(pytest.mark.skip(reason=f"not yet on PyTorch < 2.6: {reason}"))
         if any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.cuda)
         if not available and item.get_closest_marker("cuda") is not None:
@@ -63,6 +67,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 TORCH_BEFORE_2_6 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6)
+#: What the torch floor (2.5.1) does not run yet, and why; each is a known gap on that release (README's limits)
+_FLOOR_SKIPS = {
+    "tests/test_estimate_parallel": "tensor/pipeline-parallel estimates build c10d's ProcessGroup as 2.6 on does",
+    "tests/test_ranks_tp_pp.py::test_one_f_one_b_holds_fewer_micro_batches_than_gpipe": "2.5.1's 1F1B on gloo",
+    "tests/test_cuda_autocast.py": "CUDA's autocast lists were read for 2.13 and 2.15",
+    "tests/test_cuda_attention_autocast.py": "transformers 5's Llama needs 2.6",
+    "tests/test_cuda_attention.py::test_dropout_and_rms_norm_keep_what_cuda_keeps": "2.5.1 has no fused rms_norm op",
+    "tests/test_cuda_looking.py::test_nothing_that_only_looks_calls_is_available": "an estimate there asks "
+    "is_available() (known defect on 2.5.1)",
+    "tests/test_estimate_inputs.py::test_a_builder_that_raises_is_named_for_a_step_and_for_generate": "generate= "
+    "needs transformers 5",
+    "tests/test_stderr_filter.py::test_without_the_filter_the_line_reaches_the_user": "2.5.1's profiler prints "
+    "no unknown-block line in this case",
+}
 
 
 def skip_module_without_transformers_5() -> None:
