@@ -74,8 +74,6 @@ _FLOOR_SKIPS = {
     "tests/test_cuda_autocast.py": "CUDA's autocast lists were read for 2.13 and 2.15",
     "tests/test_cuda_attention_autocast.py": "transformers 5's Llama needs 2.6",
     "tests/test_cuda_attention.py::test_dropout_and_rms_norm_keep_what_cuda_keeps": "2.5.1 has no fused rms_norm op",
-    "tests/test_cuda_looking.py::test_nothing_that_only_looks_calls_is_available": "an estimate there asks "
-    "is_available() (known defect on 2.5.1)",
     "tests/test_estimate_inputs.py::test_a_builder_that_raises_is_named_for_a_step_and_for_generate": "generate= "
     "needs transformers 5",
     "tests/test_stderr_filter.py::test_without_the_filter_the_line_reaches_the_user": "2.5.1's profiler prints "

@@ -64,3 +64,25 @@ def test_devices_are_counted_through_nvml(monkeypatch, is_available_calls):
     with pytest.raises(ValueError, match="%vram watch: device 'cuda' asked for"):
         watch_device("cuda")
     assert is_available_calls == []
+
+
+@pytest.mark.skipif(not hasattr(torch, "accelerator"), reason="torch.accelerator is 2.6+")
+def test_the_estimators_optimizer_step_asks_no_accelerator(monkeypatch):
+    """Each optimizer step checks for a CUDA graph being captured, which asks whether an accelerator is there
+    (``torch.cuda.is_available()`` on 2.5, ``torch.accelerator.current_accelerator`` later): the estimator's
+    own optimizer, on fake tensors, skips that check; a real optimizer still makes it."""
+    calls = []
+    real = torch.accelerator.current_accelerator
+
+    def counted(*args, **kwargs):
+        calls.append(args or kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", counted)
+    vram_magic.estimate(nn.Linear(64, 64), torch.randn(4, 64), optimizer="adamw")
+    assert calls == []
+    real_step = torch.optim.AdamW(nn.Linear(4, 4).parameters())
+    for p in real_step.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    real_step.step()
+    assert len(calls) >= 1  # the counter sees the check where it is made
