@@ -66,31 +66,30 @@ class OpTimes:
 def time_ops(log: OpLog, rates: Rates, start: int = 0, end: int | None = None) -> OpTimes:
     """Every op of ``log`` from row ``start`` on (to row ``end``), timed on ``rates``: by the device's own rules
     (``rates.op_time``) where it has them and the log has every column, else by the generic formula."""
-    compute = memory = recompute = optimizer = 0.0
-    n = 0
     if rates.op_time is not None and log.full():
         op_time = rates.op_time
-        for row in log.rows_full(start, end):
-            n += 1
-            t = op_time(*row)
-            stage, kind, again = row[0], row[1], row[3]
-            if stage in _OPTIMIZER_STAGES:
-                optimizer += t
-            elif again:
-                recompute += t
-            elif kind in _COMPUTE_KINDS:
-                compute += t
-            else:
-                memory += t
-        return OpTimes(compute, memory, recompute, optimizer, n)
-    matmul, bandwidth, per_op, floor = rates.matmul, rates.bandwidth, rates.per_op, rates.floor
-    rows = log.rows(start) if end is None else log.slice(start, end).rows()
-    for stage, kind, dtype, again, flops, nbytes in rows:
+        timed = ((row[0], row[1], row[3], op_time(*row)) for row in log.rows_full(start, end))
+    else:
+        matmul, bandwidth, per_op, floor = rates.matmul, rates.bandwidth, rates.per_op, rates.floor
+
+        def generic(dtype: int, flops: float, nbytes: float) -> float:
+            t = nbytes / bandwidth
+            if flops:
+                t = max(t, flops / matmul(DTYPES[dtype], flops))
+            return max(t, floor) + per_op
+
+        rows = log.rows(start) if end is None else log.slice(start, end).rows()
+        timed = ((stage, kind, again, generic(dtype, flops, nbytes))
+                 for stage, kind, dtype, again, flops, nbytes in rows)
+    return _sorted(timed)
+
+
+def _sorted(timed: Iterable[tuple[int, int, bool, float]]) -> OpTimes:
+    """(stage, kind, recomputed, seconds) of each op, summed by where its time goes."""
+    compute = memory = recompute = optimizer = 0.0
+    n = 0
+    for stage, kind, again, t in timed:
         n += 1
-        t = nbytes / bandwidth
-        if flops:
-            t = max(t, flops / matmul(DTYPES[dtype], flops))
-        t = max(t, floor) + per_op
         if stage in _OPTIMIZER_STAGES:
             optimizer += t
         elif again:
