@@ -199,11 +199,27 @@ def interleaved_rank_ops(numbers: Any, rank: int) -> list[Any]:
     return schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(numbers, rank)
 
 
+def interleaved_rank_ops_with_comms(numbers: Any, rank: int) -> list[Any]:
+    """The interleaved schedule's actions on ``rank`` with its communication, lowered as the runtime of torch 2.15
+    lowers them (``_PipelineScheduleRuntime._prepare_schedule_with_comms``: ``_add_reduce_grad``, ``_add_send_recv``,
+    ``_add_wait_send``; stage s on rank s mod p): each receive, send and wait where the rank runs it."""
+    from torch.distributed.pipelining import schedules
+
+    ranks, m = numbers.pp_group_size, numbers._n_microbatches
+    compute = {r: schedules.ScheduleInterleaved1F1B._calculate_single_rank_operations(numbers, r)
+               for r in range(ranks)}
+    lowered = {r: schedules._add_reduce_grad(compute[r], m) for r in compute}
+    lowered = schedules._add_send_recv(lowered, stage_to_rank=lambda s: s % ranks,
+                                       num_stages=numbers.n_local_stages * ranks)
+    return schedules._add_wait_send(lowered)[rank]
+
+
 __all__ = [
     "FAKE_TENSOR_LOGGER", "DataDependentOutputException", "DynamicOutputShapeException", "FakeCopyMode",
     "FakeTensor", "FakeTensorMode", "OpOverload", "TorchDispatchMode", "UnsupportedOperatorException",
     "aot_autograd", "construct_script_module", "disable_current_modes", "dtensor_shape_runs", "dynamo_config",
-    "inductor_fake_mode", "inductor_partition", "interleaved_rank_ops", "min_cut_partition",
+    "inductor_fake_mode", "inductor_partition", "interleaved_rank_ops", "interleaved_rank_ops_with_comms",
+    "min_cut_partition",
     "modes_ignore_compile_internals", "offline_mesh", "pop_mode", "post_grad_passes", "push_mode", "register_group",
 ]
 

@@ -17,11 +17,21 @@ Each rank's step is traced on its own stages' modules, as a ``PipelineStage`` an
   fired in the warm-up (micro-batch ``w − 2``) until the step's end, the send ops of the latest forward until the
   next forward, and those of the latest backward (its input's gradient, which PyTorch takes off the receive buffer:
   ``stage_backward`` sets ``val.grad = None``) until the next backward;
-* the gradients are divided by the number of micro-batches in place (``scale_grads``).
+* the gradients are divided by the number of micro-batches in place (``scale_grads``);
+* the last stage's schedule keeps each micro-batch's loss to the step's end, and through its graph the stage's inputs.
+
+That is the runtime of torch 2.6–2.13. The runtime of torch 2.15 (:func:`buffers_per_use`: its ``_recv_buffers``)
+makes each receive buffer just before its receive and lets go of it once the stage is done with it; a stage lets go of
+a sent output once the send is waited on (GPipe: after the last forward; 1F1B: after the next forward, or before the
+next backward), and its backward starts from the output's gradient edge, so an output autograd does not save is freed
+then. Its interleaved schedule runs the communication PyTorch lowers into the rank's actions (receives ahead of their
+forward or backward, the wait on each send): the estimate follows that list (:data:`COMMS`).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -127,14 +137,17 @@ def actions(schedule: str, rank: int, ranks: int, m: int, n_stages: int) -> list
 
 def interleaved_actions(rank: int, ranks: int, m: int, n_stages: int) -> list[tuple[str, int, int]]:
     """The rank's forwards and backwards under ``ScheduleInterleaved1F1B``, as PyTorch computes them
-    (``_calculate_single_rank_operations``, called on the numbers it reads from its stages; torch 2.13, 2.15)."""
-    from ..torch_private import interleaved_rank_ops
+    (``_calculate_single_rank_operations``, called on the numbers it reads from its stages; torch 2.13, 2.15). Where
+    the runtime makes receive buffers per use (:func:`buffers_per_use`) its receives, the sends of input gradients and
+    the waits on sends come in too, where the runtime lowers them (:data:`COMMS`)."""
+    from ..torch_private import interleaved_rank_ops, interleaved_rank_ops_with_comms
 
     rounds = max(1, m // ranks)
     numbers = SimpleNamespace(n_local_stages=n_stages // ranks, pp_group_size=ranks, _n_microbatches=m,
                               number_of_rounds=rounds, microbatches_per_round=m // rounds)
+    lowered = buffers_per_use()
     try:
-        ops = interleaved_rank_ops(numbers, rank)
+        ops = interleaved_rank_ops_with_comms(numbers, rank) if lowered else interleaved_rank_ops(numbers, rank)
     except (AttributeError, TypeError) as err:
         raise ValueError(f"the interleaved schedule's order could not be read from this PyTorch "
                          f"({torch.__version__}): {err}; estimate it with schedule='1f1b'") from err
@@ -143,9 +156,14 @@ def interleaved_actions(rank: int, ranks: int, m: int, n_stages: int) -> list[tu
         if op is None:
             continue
         kind = str(getattr(op.computation_type, "value", op.computation_type))
-        if kind in ("F", "B"):
+        if kind in ("F", "B") or (lowered and kind in COMMS):
             out.append((kind, int(op.stage_index), int(op.microbatch_index)))
     return out
+
+
+#: the lowered communication actions a rank's memory follows: a receive makes its buffer, a stage keeps a sent
+#: output until the wait on its send, the sent input gradient is held until the wait on its send
+COMMS = frozenset({"RECV_F", "RECV_B", "WAIT_SEND_F", "SEND_B", "WAIT_SEND_B"})
 
 
 @dataclass
@@ -156,8 +174,29 @@ class StageOnRank:
     module: nn.Module
     first: bool
     last: bool
-    received: list[torch.Tensor]  # activations from the stage before, one per micro-batch
-    grads_in: list[torch.Tensor]  # gradients from the stage after, one per micro-batch
+    received: list[torch.Tensor]  # activations from the stage before, one per micro-batch (kept buffers)
+    grads_in: list[torch.Tensor]  # gradients from the stage after, one per micro-batch (kept buffers)
+    input_like: tuple[torch.Size, torch.dtype] | None = None  # what a receive allocates, where it is made per use
+    output_like: tuple[torch.Size, torch.dtype] | None = None
+
+    def receive_activations(self) -> torch.Tensor:
+        """A receive buffer made just before the receive (the runtime of ``_recv_buffers``)."""
+        shape, dtype = self.input_like  # type: ignore[misc]
+        return torch.empty(shape, dtype=dtype).requires_grad_(True)
+
+    def receive_gradients(self) -> torch.Tensor:
+        shape, dtype = self.output_like  # type: ignore[misc]
+        return torch.empty(shape, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def buffers_per_use() -> bool:
+    """Whether the installed ``torch.distributed.pipelining`` makes each receive buffer just before its receive and
+    lets go of it once the stage has used it, and lets go of a stage's sent output once its send is waited on
+    (backward then starts from the output's gradient edge): the runtime of its ``_recv_buffers`` module (2.15).
+    Before it (2.6–2.13) one buffer per micro-batch is made in the first step and kept, and sent outputs are kept
+    until their backward."""
+    return importlib.util.find_spec("torch.distributed.pipelining._recv_buffers") is not None
 
 
 def make_stages(model: nn.Sequential, cut: Split, mine: list[int], micro: torch.Tensor, m: int,
@@ -176,15 +215,17 @@ def make_stages(model: nn.Sequential, cut: Split, mine: list[int], micro: torch.
             shapes.append((x, y))
             x = y
     out = []
+    kept = not buffers_per_use()
     for s in mine:
         r = cut.stages[s]
         module = nn.Sequential(*[children[i] for i in r])
         inp, outp = shapes[s]
-        received = [] if s == 0 else [torch.empty(inp.shape, dtype=inp.dtype).requires_grad_(has_backward)
-                                      for _ in range(m)]
-        grads_in = [] if s == n - 1 or not has_backward else [torch.empty(outp.shape, dtype=outp.dtype)
-                                                              for _ in range(m)]
-        out.append(StageOnRank(s, module, s == 0, s == n - 1, received, grads_in))
+        received = [] if s == 0 or not kept else [torch.empty(inp.shape, dtype=inp.dtype).requires_grad_(has_backward)
+                                                  for _ in range(m)]
+        grads_in = [] if s == n - 1 or not has_backward or not kept else [torch.empty(outp.shape, dtype=outp.dtype)
+                                                                          for _ in range(m)]
+        out.append(StageOnRank(s, module, s == 0, s == n - 1, received, grads_in, (inp.shape, inp.dtype),
+                               (outp.shape, outp.dtype)))
     return out
 
 
@@ -196,6 +237,7 @@ class PipelineRank:
                  ranks: int) -> None:
         self.stages = {s.index: s for s in stages}
         self.order, self.m, self.schedule, self.ranks = order, m, schedule, ranks
+        self.per_use = buffers_per_use()
         self.kept: list[Any] = []  # what outlives the step: the last stage's outputs, the sent-back gradients
 
     def claims(self) -> list[tuple[torch.Tensor, tuple[str, str]]]:
@@ -221,11 +263,34 @@ class PipelineRank:
         self.kept = []
         forwards = sum(1 for kind, _, _ in self.order if kind == "F")
         done = 0
+        sent: list[tuple[int, int]] = []  # forwards whose sends are not yet waited on (buffers made per use)
+        lowered = any(kind in COMMS for kind, _, _ in self.order)  # the runtime's receives and waits are listed
+        received: dict[tuple[str, int, int], Any] = {}  # buffers received ahead of their forward or backward
+        sends: dict[tuple[int, int], Any] = {}  # input gradients sent back, until the wait on their send
         for kind, s, j in self.order:
             stage = self.stages[s]
+            if kind in COMMS:
+                if kind == "RECV_F":
+                    received[("F", s, j)] = self._receive(stage, claim, "activations")
+                elif kind == "RECV_B":
+                    received[("B", s, j)] = self._receive(stage, claim, "gradients")
+                elif kind == "WAIT_SEND_F" and (s, j) in cache:
+                    _release_sent(cache, [(s, j)])
+                elif kind == "WAIT_SEND_B":
+                    sends.pop((s, j), None)
+                continue
+            if self.per_use and sent and kind == "B":
+                _release_sent(cache, sent)  # every send is waited on before a backward
             if kind == "F":
                 tracer.stage = FORWARD
-                inp = micro[j] if stage.first else stage.received[j]
+                if stage.first:
+                    inp = micro[j]
+                elif self.per_use:
+                    inp = received.pop(("F", s, j), None)
+                    if inp is None:
+                        inp = self._receive(stage, claim, "activations")
+                else:
+                    inp = stage.received[j]
                 out = stage.module(inp)
                 cache[(s, j)] = (out, inp)
                 if stage.last:
@@ -233,6 +298,12 @@ class PipelineRank:
                     claim(out, outputs_role(s))
                     tracer.stage = LOSS
                     losses[(s, j)] = loss_fn(out)
+                elif lowered:
+                    pass  # kept until the wait on its send
+                elif self.per_use:
+                    if self.schedule == "1f1b":
+                        _release_sent(cache, sent)  # 1F1B waits on the send before once this forward is done
+                    sent.append((s, j))
                 elif self.schedule == "1f1b":
                     if j < min(self.m, self.ranks - s) - 1:  # fired in the warm-up
                         warm_send = out
@@ -246,13 +317,21 @@ class PipelineRank:
             else:
                 tracer.stage = BACKWARD
                 out, inp = cache.pop((s, j))
-                if stage.last:
-                    torch.autograd.backward(losses.pop((s, j)))
+                if stage.last:  # the schedule keeps each loss (and through its graph the stage's inputs) to the end
+                    torch.autograd.backward(losses[(s, j)])
+                elif self.per_use:
+                    grad_out = received.pop(("B", s, j), None)
+                    if grad_out is None:
+                        grad_out = self._receive(stage, claim, "gradients")
+                    torch.autograd.backward(out, grad_tensors=grad_out)
+                    del grad_out
                 else:
                     torch.autograd.backward(out, grad_tensors=stage.grads_in[j])
                 if not stage.first:  # the input's gradient, sent back: PyTorch takes it off the buffer
                     grad, inp.grad = inp.grad, None
-                    if self.schedule == "1f1b":
+                    if lowered:
+                        sends[(s, j)] = grad
+                    elif self.schedule == "1f1b":
                         bwd_send = grad  # the send ops of the latest backward, until the next one's
                     else:
                         held.append(grad)
@@ -273,7 +352,32 @@ class PipelineRank:
                 for p in stage.module.parameters():
                     if p.grad is not None:
                         p.grad.div_(self.m)
-        del held, warm_send, latest_send, bwd_send, outputs, cache, losses
+        del held, warm_send, latest_send, bwd_send, outputs, cache, losses, sends, received
+
+    @staticmethod
+    def _receive(stage: StageOnRank, claim: Any, what: str) -> torch.Tensor:
+        """A receive buffer made for one receive (``what``: "activations" or "gradients")."""
+        t = stage.receive_activations() if what == "activations" else stage.receive_gradients()
+        claim(t, received_role(stage.index, what))
+        return t
+
+
+def _release_sent(cache: dict[tuple[int, int], tuple[Any, Any]], sent: list[tuple[int, int]]) -> None:
+    """The stage lets go of the outputs whose sends completed (``release_fwd_send_outputs``): its backward starts
+    from each output's gradient edge, so an output that autograd does not save is freed here. A ``DTensor``
+    output is kept, as PyTorch keeps any output that is not a plain tensor."""
+    from torch.autograd.graph import get_gradient_edge
+
+    for key in sent:
+        out, inp = cache[key]
+        if isinstance(out, torch.Tensor) and not _is_dtensor(out) and out.requires_grad:
+            cache[key] = (get_gradient_edge(out), inp)
+        del out, inp
+    sent.clear()
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
 
 
 def _stated(step: Any) -> Any:
