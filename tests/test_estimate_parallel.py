@@ -128,3 +128,31 @@ def test_one_f_one_b_first_stage_is_the_most_loaded() -> None:
     acts = [r.peak["activations"] for r in est.roles]
     assert acts[0] == max(acts) and acts[0] > acts[2]
     assert est.most_loaded == 0 and est.peak == est.ranks[0].peak
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_both_pipeline_runtimes_by_hand(monkeypatch, schedule: str) -> None:
+    """Each release's rule, whichever torch runs the tests (the gloo comparisons check the installed one): 2.13 keeps
+    one gradient receive buffer per micro-batch and every sent output until its backward; 2.15 makes a gradient
+    buffer per backward and lets go of a sent output once its send is waited on (this block's output is not saved by
+    autograd, so it is freed then). Rank 0 of 2, 4 micro-batches; the figures the gloo runs measure on each."""
+    from vram_magic.estimator.layouts import pipeline
+
+    def rank0(per_use: bool) -> dict[str, int]:
+        monkeypatch.setattr(pipeline, "buffers_per_use", lambda: per_use)
+        est = vram_magic.estimate(blocks, torch.randn(pr.PP_BATCH, pr.WIDTH), device="cpu", pp=2,
+                                  micro_batches=pr.MICRO_BATCHES, schedule=schedule, loss_fn=lambda out: out.sum())
+        peak = est.ranks[0].peak
+        grads = sum(b for c, label, b in peak.detail if label.endswith("receive buffers (gradients)"))
+        return {"activations": peak["activations"], "receive (gradients)": grads}
+
+    kept, per_use = rank0(False), rank0(True)
+    micro = pr.PP_BATCH // pr.MICRO_BATCHES * pr.WIDTH * F32  # one micro-batch's stage output: 64 KiB
+    assert kept["receive (gradients)"] == pr.MICRO_BATCHES * micro
+    assert per_use["receive (gradients)"] == micro
+    # the outputs let go of: GPipe's every micro-batch's (all sends are waited on after the last forward); 1F1B's
+    # three (the sent outputs 2.13's works still hold at rank 0's peak)
+    freed = {"gpipe": pr.MICRO_BATCHES, "1f1b": 3}[schedule] * micro
+    assert kept["activations"] - per_use["activations"] == freed
+    assert (kept["activations"], per_use["activations"]) == \
+        {"gpipe": (4_916_224, 4_654_080), "1f1b": (3_736_576, 3_539_968)}[schedule]
