@@ -100,7 +100,8 @@ def pytest_unconfigure(config):
     """With ``VRAM_TESTS_EXIT_AFTER_REPORT=1`` (the CI's torch-version stage) the process ends as soon as pytest
     has reported, skipping interpreter shutdown: on torch 2.5.1 the garbage collection that IPython's exit
     handlers run took more than ten minutes after a passing suite."""
-    if os.environ.get("VRAM_TESTS_EXIT_AFTER_REPORT") == "1" and _EXIT_STATUS:
+    if os.environ.get("VRAM_TESTS_EXIT_AFTER_REPORT") == "1" and _EXIT_STATUS \
+            and not os.environ.get("PYTEST_XDIST_WORKER"):  # a worker ends when its controller says so
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_EXIT_STATUS[-1])

@@ -13,6 +13,7 @@ import ast
 import logging
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 
 from vram_magic.engine import torch_private as engine_door
 from vram_magic.estimator import torch_private as estimator_door
+from vram_magic.estimator.layouts.pipeline import buffers_per_use
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vram_magic"
 DOORS = {PACKAGE / "engine" / "torch_private.py", PACKAGE / "estimator" / "torch_private.py"}
@@ -320,3 +322,24 @@ def test_construct_script_module() -> None:
     copy = estimator_door.construct_script_module(scripted._c._replicate_for_data_parallel(), lambda _: None)
     assert isinstance(copy, torch.jit.RecursiveScriptModule)
     assert copy.weight.shape == (2, 3) and torch.equal(copy.weight, scripted.weight)
+
+
+@pytest.mark.skipif(not buffers_per_use(), reason="a runtime making receive buffers per use (2.15)")
+def test_interleaved_rank_ops_with_comms() -> None:
+    """The interleaved schedule's lowered actions on rank 0 of 2 (stages 0 and 2 of 4, 4 micro-batches): each
+    forward and backward of its stages, a receive before each of stage 2's forwards and before each of stage 0's
+    and 2's backwards but the last stage's, and one wait for every send."""
+    numbers = SimpleNamespace(n_local_stages=2, pp_group_size=2, _n_microbatches=4, number_of_rounds=2,
+                              microbatches_per_round=2)
+    ops = [(str(op.computation_type.value), op.stage_index, op.microbatch_index)
+           for op in estimator_door.interleaved_rank_ops_with_comms(numbers, 0) if op is not None]
+    kinds = [k for k, _, _ in ops]
+    assert kinds.count("F") == 8 and kinds.count("B") == 8
+    assert sorted((s, j) for k, s, j in ops if k == "RECV_F") == [(2, j) for j in range(4)]
+    assert sorted((s, j) for k, s, j in ops if k == "RECV_B") == [(0, j) for j in range(4)] + [(2, j) for j in range(4)]
+    assert kinds.count("WAIT_SEND_F") == kinds.count("SEND_F") == 8
+    assert kinds.count("WAIT_SEND_B") == kinds.count("SEND_B") == 4  # stage 2 sends its inputs' gradients back
+    # a receive comes before the action it feeds
+    for k, s, j in ops:
+        if k in ("RECV_F", "RECV_B"):
+            assert ops.index((k, s, j)) < ops.index((k[-1], s, j))
