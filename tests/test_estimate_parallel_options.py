@@ -133,11 +133,8 @@ def test_the_users_process_groups_are_left_alone() -> None:
     assert not dist.is_initialized()
 
 
-def test_the_magic_takes_tp_and_pp() -> None:
-    from IPython.testing.globalipapp import get_ipython
-
-    ip = get_ipython()
-    ip.extension_manager.load_extension("vram_magic")
+def test_the_magic_takes_tp_and_pp(shell) -> None:
+    ip = shell  # (a shell of the tests' own, cleared after: the test shell of IPython's stays for later tests)
     ip.user_ns.update(model=mlp(), x=X, tp_plan=plan(), lossf=loss)
     ip.run_line_magic("vram_estimate", "model --input x --loss lossf --device cpu --pp 2 --schedule gpipe "
                                        "--micro-batches 4 -q -o est")
