@@ -42,6 +42,7 @@ from torch import nn
 from ...engine.pipeline import MERGED, outputs_role, received_role
 from ..options import SCHEDULES
 from ..tracing.tracer import BACKWARD, FORWARD, LOSS
+from .tensor import is_dtensor
 
 #: PyTorch's class for each schedule
 SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B"}
@@ -176,17 +177,20 @@ class StageOnRank:
     last: bool
     received: list[torch.Tensor]  # activations from the stage before, one per micro-batch (kept buffers)
     grads_in: list[torch.Tensor]  # gradients from the stage after, one per micro-batch (kept buffers)
-    input_like: tuple[torch.Size, torch.dtype] | None = None  # what a receive allocates, where it is made per use
-    output_like: tuple[torch.Size, torch.dtype] | None = None
+    input_like: tuple[torch.Size, torch.dtype]  # what a receive of activations allocates
+    output_like: tuple[torch.Size, torch.dtype]  # and of gradients
 
-    def receive_activations(self) -> torch.Tensor:
-        """A receive buffer made just before the receive (the runtime of ``_recv_buffers``)."""
-        shape, dtype = self.input_like  # type: ignore[misc]
-        return torch.empty(shape, dtype=dtype).requires_grad_(True)
+    def receive(self, what: str, claim: Any) -> torch.Tensor:
+        """A receive buffer made for one receive (the runtime of ``_recv_buffers``), claimed as its role
+        (``what``: "activations" or "gradients")."""
+        t = _buffer(self.input_like, True) if what == "activations" else _buffer(self.output_like, False)
+        claim(t, received_role(self.index, what))
+        return t
 
-    def receive_gradients(self) -> torch.Tensor:
-        shape, dtype = self.output_like  # type: ignore[misc]
-        return torch.empty(shape, dtype=dtype)
+
+def _buffer(like: tuple[torch.Size, torch.dtype], requires_grad: bool) -> torch.Tensor:
+    shape, dtype = like
+    return torch.empty(shape, dtype=dtype).requires_grad_(requires_grad)
 
 
 @functools.lru_cache(maxsize=1)
@@ -220,12 +224,11 @@ def make_stages(model: nn.Sequential, cut: Split, mine: list[int], micro: torch.
         r = cut.stages[s]
         module = nn.Sequential(*[children[i] for i in r])
         inp, outp = shapes[s]
-        received = [] if s == 0 or not kept else [torch.empty(inp.shape, dtype=inp.dtype).requires_grad_(has_backward)
-                                                  for _ in range(m)]
-        grads_in = [] if s == n - 1 or not has_backward or not kept else [torch.empty(outp.shape, dtype=outp.dtype)
+        input_like, output_like = (inp.shape, inp.dtype), (outp.shape, outp.dtype)
+        received = [] if s == 0 or not kept else [_buffer(input_like, has_backward) for _ in range(m)]
+        grads_in = [] if s == n - 1 or not has_backward or not kept else [_buffer(output_like, False)
                                                                           for _ in range(m)]
-        out.append(StageOnRank(s, module, s == 0, s == n - 1, received, grads_in, (inp.shape, inp.dtype),
-                               (outp.shape, outp.dtype)))
+        out.append(StageOnRank(s, module, s == 0, s == n - 1, received, grads_in, input_like, output_like))
     return out
 
 
@@ -271,9 +274,9 @@ class PipelineRank:
             stage = self.stages[s]
             if kind in COMMS:
                 if kind == "RECV_F":
-                    received[("F", s, j)] = self._receive(stage, claim, "activations")
+                    received[("F", s, j)] = stage.receive("activations", claim)
                 elif kind == "RECV_B":
-                    received[("B", s, j)] = self._receive(stage, claim, "gradients")
+                    received[("B", s, j)] = stage.receive("gradients", claim)
                 elif kind == "WAIT_SEND_F" and (s, j) in cache:
                     _release_sent(cache, [(s, j)])
                 elif kind == "WAIT_SEND_B":
@@ -288,7 +291,7 @@ class PipelineRank:
                 elif self.per_use:
                     inp = received.pop(("F", s, j), None)
                     if inp is None:
-                        inp = self._receive(stage, claim, "activations")
+                        inp = stage.receive("activations", claim)
                 else:
                     inp = stage.received[j]
                 out = stage.module(inp)
@@ -322,7 +325,7 @@ class PipelineRank:
                 elif self.per_use:
                     grad_out = received.pop(("B", s, j), None)
                     if grad_out is None:
-                        grad_out = self._receive(stage, claim, "gradients")
+                        grad_out = stage.receive("gradients", claim)
                     torch.autograd.backward(out, grad_tensors=grad_out)
                     del grad_out
                 else:
@@ -354,13 +357,6 @@ class PipelineRank:
                         p.grad.div_(self.m)
         del held, warm_send, latest_send, bwd_send, outputs, cache, losses, sends, received
 
-    @staticmethod
-    def _receive(stage: StageOnRank, claim: Any, what: str) -> torch.Tensor:
-        """A receive buffer made for one receive (``what``: "activations" or "gradients")."""
-        t = stage.receive_activations() if what == "activations" else stage.receive_gradients()
-        claim(t, received_role(stage.index, what))
-        return t
-
 
 def _release_sent(cache: dict[tuple[int, int], tuple[Any, Any]], sent: list[tuple[int, int]]) -> None:
     """The stage lets go of the outputs whose sends completed (``release_fwd_send_outputs``): its backward starts
@@ -370,14 +366,10 @@ def _release_sent(cache: dict[tuple[int, int], tuple[Any, Any]], sent: list[tupl
 
     for key in sent:
         out, inp = cache[key]
-        if isinstance(out, torch.Tensor) and not _is_dtensor(out) and out.requires_grad:
+        if isinstance(out, torch.Tensor) and not is_dtensor(out) and out.requires_grad:
             cache[key] = (get_gradient_edge(out), inp)
         del out, inp
     sent.clear()
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
 
 
 def _stated(step: Any) -> Any:
