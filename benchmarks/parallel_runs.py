@@ -243,7 +243,7 @@ def _tp_job(case: Case, world: int, mesh: Any) -> tuple[dict[str, Any], Callable
         loss = loss_of(out)
         # gloo's worker thread lets go of a finished collective's buffers a moment after its wait returns: without
         # this barrier the logits' all-gather staging buffer (sequence parallelism) was now and then still held when
-        # backward began, and the rank then peaked there, 786 KB higher (about 1 run in 10)
+        # backward began, and the rank then peaked there, 786 KB higher (1 run of 12)
         torch.distributed.barrier()
         loss.backward()
         opt.step()
