@@ -253,3 +253,40 @@ def test_a_generate_plan_ranks_weights_caches_and_the_largest_batch_by_tokens_pe
         assert row.throughput == pytest.approx(row.micro_batch * 8 / row.step_time)
     assert plan.best.micro_batch > 2  # the inputs' batch of 2 leaves room: the batch is where throughput comes from
     assert any("bf16 weights" in r.numerics for r in plan.rows)
+
+
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+def test_a_rows_code_runs_each_micro_batch_under_autocast(amp):
+    """Accumulation with autocast is one loop: each micro-batch's forward under autocast (fp16 scaled), one update
+    a step. The code runs as written, on the CPU, and trains as the row says: the weights change once a step."""
+    from vram_magic.estimator.explore.choices import Choice, describe
+    from vram_magic.estimator.options import Options
+
+    choice = Choice(micro=2, accumulate=4, checkpointing=False, zero=None, offload=False, amp=amp, lora=None,
+                    quantize=None, optimizer=None, global_batch=8)
+    code = describe(choice, Options(device="cpu")).code
+    loops = [c for c in code if c.startswith(("for micro", "scaler = torch.amp.GradScaler('cpu')\nfor micro"))]
+    assert len(loops) == 1 and not any("model(**batch)" in c for c in code), code
+    loop = loops[0]
+    assert loop.count("torch.autocast('cpu'") == 1 and loop.index("torch.autocast") > loop.index("for micro")
+
+    class Out:
+        def __init__(self, loss):
+            self.loss = loss
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return Out(self.lin(x).float().square().mean())
+
+    torch.manual_seed(0)
+    model, calls = Net(), []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.register_step_post_hook(lambda *a: calls.append(1))
+    before = model.lin.weight.detach().clone()
+    exec(loop, {"torch": torch, "model": model, "batch": torch.randn(8, 4), "optimizer": optimizer})
+    assert calls == [1] and not torch.equal(before, model.lin.weight)
+    assert all(p.grad is None for p in model.parameters())  # zero_grad after the step

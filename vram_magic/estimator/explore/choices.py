@@ -62,16 +62,37 @@ class Facts:
     tradeoffs: tuple[str, ...] = ()
 
 
+def _device(base: Options) -> str:
+    return "cuda" if base.device == "cuda" else "cpu"
+
+
+def _autocast(c: Choice, base: Options) -> str:
+    device = _device(base)
+    return f"with torch.autocast({device!r}, dtype=torch.{'bfloat16' if c.amp == torch.bfloat16 else 'float16'}):"
+
+
+def _accumulation_code(c: Choice, base: Options) -> str:
+    """The accumulation loop, each micro-batch's forward under autocast where the row has it (fp16: scaled)."""
+    head = f"for micro in batch.split({c.micro}):  # {c.accumulate} micro-batches a step\n"
+    if c.amp is None:
+        return head + f"    (model(micro).loss / {c.accumulate}).backward()\noptimizer.step(); optimizer.zero_grad()"
+    fp16 = c.amp == torch.float16
+    return ((f"scaler = torch.amp.GradScaler({_device(base)!r})\n" if fp16 else "") + head
+            + f"    {_autocast(c, base)}\n        loss = model(micro).loss / {c.accumulate}\n"
+            + ("    scaler.scale(loss).backward()\nscaler.step(optimizer); scaler.update(); optimizer.zero_grad()"
+               if fp16 else "    loss.backward()\noptimizer.step(); optimizer.zero_grad()"))
+
+
 def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gpus: int = 1) -> Facts:
     """What ``c`` changes from a plain step of ``base`` (one micro-batch a step, nothing sharded or offloaded), with
     code and trade-offs when ``model`` (its source) is given."""
     changes, numerics, code, trade = model_parallel_facts(c, gpus)
     built = _model(model)
     hf = built is not None and callable(getattr(built, "gradient_checkpointing_enable", None))
-    if c.accumulate > 1 and c.pp == 1:
+    accumulated = c.accumulate > 1 and c.pp == 1
+    if accumulated:
         changes.append(f"micro-batch {c.micro} × {c.accumulate} accumulated")
-        code.append(f"for micro in batch.split({c.micro}):  # {c.accumulate} micro-batches a step\n"
-                    f"    (model(micro).loss / {c.accumulate}).backward()\noptimizer.step(); optimizer.zero_grad()")
+        code.append(_accumulation_code(c, base))
         if built is not None and any(isinstance(m, _BATCH_NORMS) for m in built.modules()):
             trade.append(f"BatchNorm's statistics come from micro-batches of {c.micro} samples, not "
                          f"{c.per_rank}: noisier, and different from a step of the whole batch")
@@ -94,12 +115,12 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
         name = short_dtype(c.amp)
         changes.append(f"{name} autocast")
         numerics.append(f"{name} mixed precision")
-        device = "cuda" if base.device == "cuda" else "cpu"
-        code.append(f"with torch.autocast({device!r}, dtype=torch.{'bfloat16' if name == 'bf16' else 'float16'}):\n"
-                    "    loss = model(**batch).loss")
+        if not accumulated:  # (with accumulation, the loop above runs each micro-batch under autocast)
+            code.append(f"{_autocast(c, base)}\n    loss = model(**batch).loss")
+            if c.amp == torch.float16:
+                code.append(f"scaler = torch.amp.GradScaler({_device(base)!r}); scaler.scale(loss).backward(); "
+                            "scaler.step(optimizer); scaler.update()")
         if c.amp == torch.float16:
-            code.append("scaler = torch.amp.GradScaler(); scaler.scale(loss).backward(); scaler.step(optimizer); "
-                        "scaler.update()")
             trade.append(f"fp16's range is narrow: loss scaling is needed ({gpu.name if gpu else 'this GPU'} has no "
                          "bf16), and some models overflow")
     if c.lora:
