@@ -226,3 +226,65 @@ def test_a_real_mlps_matmul_seconds_are_its_flops_worked_out_from_its_layers():
     assert pairs == batch * weights * 5 // 2
     assert t.compute == pytest.approx(pairs * 2e-11, rel=1e-9)
     assert t.memory == pytest.approx(0.0, abs=1e-12) and t.recompute == 0.0 and math.isfinite(t.optimizer)
+
+
+# --- the CPU's flash attention ----------------------------------------------------------------------------------------
+def test_attention_runs_at_the_rate_of_its_length_and_a_causal_mask_computes_whole_key_blocks():
+    from vram_magic.estimator.explore.rates import cpu_attention_work
+    from vram_magic.estimator.tracing.oplog import ATTENTION
+
+    # timed at 64 and 1,024 tokens: forward 10 and 160 GFLOP/s, backward 5 and 80
+    p = profile(attention={"fp32": (20e9, 10e9)},
+                attention_lengths={"fp32": ((64.0, 10e9, 5e9), (1024.0, 160e9, 80e9))})
+    t = cpu_op_time(p)
+    # 256 tokens lie halfway in log between 64 and 1,024: 40 GFLOP/s forward (geometric mean), 20 backward
+    assert t(FORWARD, ATTENTION, 0, 0, 4e9, 0, 0, 0, (64, 256, 256, 64, 0)) == pytest.approx(1e-6 + 0.1)
+    assert t(BACKWARD, ATTENTION, 0, 0, 4e9, 0, 0, 0, (64, 256, 256, 64, 0)) == pytest.approx(1e-6 + 0.2)
+    # shorter and longer than the lengths timed: the ends' rates; a query length of 16 over 1,024 keys is 128 tokens
+    assert t(FORWARD, ATTENTION, 0, 0, 1e9, 0, 0, 0, (4, 32, 32, 64, 0)) == pytest.approx(1e-6 + 0.1)
+    assert t(FORWARD, ATTENTION, 0, 0, 16e9, 0, 0, 0, (4, 4096, 4096, 64, 0)) == pytest.approx(1e-6 + 0.1)
+    rate_128 = 10e9 * 16 ** 0.25  # a quarter of the way from 64 to 1,024 in log
+    assert t(FORWARD, ATTENTION, 0, 0, 1e9, 0, 0, 0, (4, 16, 1024, 64, 0)) == pytest.approx(1e-6 + 1e9 / rate_128)
+    # unknown length (another kernel): the rate at 128 tokens the profile keeps
+    assert t(FORWARD, ATTENTION, 0, 0, 2e9, 0, 0, 0, None) == pytest.approx(1e-6 + 0.1)
+    # a causal mask: the FLOPs counted are half the full ones, but keys within one block of 512 are all computed
+    # (twice the counted), and of 2 blocks three quarters of the full work, of 4 blocks five eighths
+    assert cpu_attention_work(256, False) == 1.0
+    assert cpu_attention_work(512, True) == 2.0
+    assert cpu_attention_work(1024, True) == pytest.approx(1.5)
+    assert cpu_attention_work(2048, True) == pytest.approx(1.25)
+    assert t(FORWARD, ATTENTION, 0, 0, 1e9, 0, 0, 0, (4, 1024, 1024, 64, 1)) == pytest.approx(1e-6 + 1.5e9 / 160e9)
+    # bf16 with no rates of its own: fp32's
+    assert t(FORWARD, ATTENTION, 1, 0, 4e9, 0, 0, 0, (64, 256, 256, 64, 0)) == pytest.approx(1e-6 + 0.1)
+
+
+def test_the_op_log_keeps_the_cpu_attentions_lengths_and_mask():
+    from vram_magic.estimator.tracing.oplog import ATTENTION, cpu_attention_shape
+
+    q, k = torch.randn(2, 4, 96, 32), torch.randn(2, 4, 160, 32)
+    fwd = "_scaled_dot_product_flash_attention_for_cpu"
+    assert cpu_attention_shape(fwd, (q, k, k, 0.0, True), {}) == (8, 96, 160, 32, 1)
+    assert cpu_attention_shape(fwd, (q, k, k), {"is_causal": False}) == (8, 96, 160, 32, 0)
+    out = torch.randn(2, 4, 96, 32)
+    assert cpu_attention_shape(fwd + "_backward", (out, q, k, k, out, torch.randn(2, 4, 96), 0.0, True), {}) == \
+        (8, 96, 160, 32, 1)
+    assert cpu_attention_shape("_efficient_attention_forward", (q, k, k), {}) is None
+    # a real attention's row, through the op log
+    log = OpLog()
+    q = torch.randn(1, 2, 64, 16)
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    out = op(q, q, q, 0.0, True)
+    log.record(op_traits(op, ()), op.__name__, FORWARD, False, 0, (q, q, q, 0.0, True), {}, out)
+    (row,) = list(log.rows_full())
+    assert row[1] == ATTENTION and row[8] == (2, 64, 64, 16, 1)
+    assert row[4] == 4 * 2 * 64 * 64 * 16 // 2  # the counted FLOPs: half of QKᵀ and PV's under the causal mask
+
+
+def test_bf16_is_timed_at_fp32s_sizes_only_where_its_small_convolution_runs_near_fp32s_rate():
+    from vram_magic.estimator.target.cpu import _bf16_convs_fast
+
+    flops = {"fp32": [(2, 38e6)], "bf16": [(4, 19e6)]}
+    fp32 = {("conv", "fp32", True, 2): 38e6 / 90e9}
+    assert _bf16_convs_fast({**fp32, ("conv", "bf16", True, 4): 19e6 / 114e9}, flops)  # AVX-512 BF16: faster
+    assert _bf16_convs_fast({**fp32, ("conv", "bf16", True, 4): 19e6 / 45e9}, flops)  # half fp32's rate
+    assert not _bf16_convs_fast({**fp32, ("conv", "bf16", True, 4): 19e6 / 8e9}, flops)  # a fallback kernel

@@ -57,6 +57,14 @@ LAYOUT_NAMES = ("NN", "NT", "TN")
 HALF_TIMED = ("fp32", "bf16")
 #: convolutions timed per dtype, ``(batch, image size)`` of 32 channels: 38 and 302 MFLOP in fp32, 19 in bf16
 CONV_SIZES = {"fp32": ((2, 32), (16, 32)), "bf16": ((4, 16),)}
+#: a larger bf16 convolution (302 MFLOP), and bf16 matmuls at fp32's shapes (up to 512 rows), timed only where the small
+#: bf16 convolution ran at least this fraction of the small fp32 one's rate: a CPU with bf16 in hardware (AVX-512 BF16,
+#: AMX), whose oneDNN rates grow with the work as fp32's do. Measured on one (AMD EPYC, AVX-512 BF16, one thread): the
+#: small bf16 convolution ran 114 GFLOP/s against fp32's 90, and a conv net's bf16 step took 0.63x its fp32 step where
+#: the small size alone predicted 1.23x; the matmul fit from the small half shapes alone read bf16 A·B at 512³ anywhere
+#: from 780 to 1,390 GFLOP/s from one process to the next (beyond the core's peak), with fp32's shapes 400-460. Where
+#: bf16 falls back to a slow kernel (AVX2), its rate does not grow and large probes would take seconds.
+BF16_CONV_LARGE, BF16_CONV_FAST = (16, 32), 0.5
 #: elementwise sizes timed, bytes per tensor (fp32), and the bytes of a pool that no cache holds
 SIZES = (64 << 10, 1 << 20, 8 << 20)
 POOL = 64 << 20
@@ -70,7 +78,8 @@ LOOP = 256
 class CpuProfile:
     """What this CPU achieved. ``gemm[dtype][layout]``: the fitted matmul model; ``conv[dtype]``: ``(forward FLOPs,
     forward FLOP/s, backward FLOP/s)`` of each convolution timed, smallest first; ``attention[dtype]``: ``(forward,
-    backward)`` FLOP/s; ``conv_fixed``: seconds a convolution costs at least; ``memory``: ``(bytes an op
+    backward)`` FLOP/s at 128 tokens; ``attention_lengths[dtype]``: ``(tokens, forward FLOP/s, backward FLOP/s)`` at
+    each length timed, shortest first; ``conv_fixed``: seconds a convolution costs at least; ``memory``: ``(bytes an op
     moved, seconds per byte moved, seconds per byte allocated)`` by size, smallest first; ``element[kind]``: seconds
     per element of the ops that compute more than they move (fp32); ``convert[dtype]``: extra seconds per element in
     bf16 or fp16; ``op_overhead``: seconds each op of a training step adds; ``dispatch``: seconds of a bare op;
@@ -90,6 +99,7 @@ class CpuProfile:
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     notes: tuple[str, ...] = field(default_factory=tuple)
+    attention_lengths: dict[str, tuple[tuple[float, float, float], ...]] = field(default_factory=dict)
 
     @property
     def bandwidth(self) -> float:
@@ -124,6 +134,26 @@ class CpuProfile:
         for a, b in zip(pts, pts[1:]):
             if flops <= b[0]:
                 w = (math.log(flops) - math.log(a[0])) / (math.log(b[0]) - math.log(a[0]))
+                return math.exp(math.log(a[col]) + (math.log(b[col]) - math.log(a[col])) * w)
+        return pts[-1][col]
+
+    def attention_rate(self, dtype: str, forward: bool, tokens: float | None) -> float:
+        """FLOP/s of the CPU's flash attention of ``dtype`` (fp16 as bf16, other dtypes as fp32) in either direction,
+        over ``tokens`` (the geometric mean of the query and key lengths): interpolated in log tokens between the
+        lengths timed, the ends' rates beyond them; at 128 tokens where the length is not known. The kernel works in
+        blocks, so short sequences run far below its rate on long ones (bf16's backward here: 17 GFLOP/s at 65
+        tokens, 42 at 128, 121 at 512)."""
+        name = dtype if dtype in self.attention else ("bf16" if dtype == "fp16" and "bf16" in self.attention
+                                                      else "fp32")
+        col = 1 if forward else 2
+        pts = self.attention_lengths.get(name)
+        if not pts or not tokens:
+            return self.attention[name][col - 1]
+        if tokens <= pts[0][0]:
+            return pts[0][col]
+        for a, b in zip(pts, pts[1:]):
+            if tokens <= b[0]:
+                w = (math.log(tokens) - math.log(a[0])) / (math.log(b[0]) - math.log(a[0]))
                 return math.exp(math.log(a[col]) + (math.log(b[col]) - math.log(a[col])) * w)
         return pts[-1][col]
 
@@ -199,14 +229,15 @@ def _operand(rows: int, cols: int, transposed: bool, dtype: torch.dtype) -> torc
     return torch.randn(rows, cols).to(dtype)
 
 
-def add_gemms(probes: Probes, name: str) -> None:
-    """Probes ``("gemm", dtype, layout, m, n, k)`` of :data:`GEMM_SHAPES`."""
+def add_gemms(probes: Probes, name: str, shapes: str | None = None) -> None:
+    """Probes ``("gemm", dtype, layout, m, n, k)`` of :data:`GEMM_SHAPES` (the dtype's own, or ``shapes``'s)."""
     dtype = DTYPES[name]
+    shapes = shapes or ("fp32" if name == "fp32" else "half")
     for layout in LAYOUT_NAMES:
-        for m, k, n in GEMM_SHAPES["fp32" if name == "fp32" else "half"]:
+        for m, k, n in GEMM_SHAPES[shapes]:
             a = _operand(m, k, layout[0] == "T", dtype)
             b = _operand(k, n, layout[1] == "T", dtype)
-            slow = 2 * m * n * k > (1 << 27 if name == "fp32" else 1 << 22)
+            slow = 2 * m * n * k > (1 << 27 if shapes == "fp32" else 1 << 22)
             probes.add(("gemm", name, layout, m, n, k), lambda a=a, b=b: torch.mm(a, b), 2 if slow else 3)
 
 
@@ -238,19 +269,29 @@ def _add_conv(probes: Probes, name: str, batch: int, size: int) -> float:
     return 2.0 * y.numel() * w[0].numel()
 
 
-def _add_attention(probes: Probes, name: str) -> tuple[float, float]:
-    """Probes ``("attention", dtype, forward?)`` of the CPU's flash attention; returns its forward and backward
-    FLOPs."""
+#: sequence lengths the flash attention is timed at (4 heads of 64, batch 1); 128 is the rate used where a trace does
+#: not know an attention's length
+ATTENTION_LENGTHS = (64, 128, 512)
+
+
+def _add_attention(probes: Probes, name: str) -> dict[int, tuple[float, float]]:
+    """Probes ``("attention", dtype, forward?, tokens)`` of the CPU's flash attention at each of
+    :data:`ATTENTION_LENGTHS`; returns each length's forward and backward FLOPs."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-    q, k, v = (torch.randn(1, 4, 128, 64).to(DTYPES[name]) for _ in range(3))
     op, back = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
-    out, lse = op(q, k, v)
-    g = torch.randn_like(out)
-    probes.add(("attention", name, True), lambda: op(q, k, v), 2)
-    probes.add(("attention", name, False), lambda: back(g, q, k, v, out, lse, 0.0, False), 2)
-    return sdpa_flop_count(q.shape, k.shape, v.shape), sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape)
+    flops = {}
+    for tokens in ATTENTION_LENGTHS:
+        q, k, v = (torch.randn(1, 4, tokens, 64).to(DTYPES[name]) for _ in range(3))
+        out, lse = op(q, k, v)
+        g = torch.randn_like(out)
+        probes.add(("attention", name, True, tokens), lambda q=q, k=k, v=v: op(q, k, v), 2)
+        probes.add(("attention", name, False, tokens),
+                   lambda g=g, q=q, k=k, v=v, out=out, lse=lse: back(g, q, k, v, out, lse, 0.0, False), 2)
+        flops[tokens] = (sdpa_flop_count(q.shape, k.shape, v.shape),
+                         sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape))
+    return flops
 
 
 def _add_memory(probes: Probes, pool: torch.Tensor) -> None:
@@ -377,17 +418,30 @@ def measure_cpu() -> CpuProfile:
         _add_memory(probes, pool)
         _add_elements(probes)
         best = probes.run()
+        if _bf16_convs_fast(best, conv_flops):  # bf16 in hardware: timed at fp32's sizes too (see BF16_CONV_FAST)
+            more = Probes()
+            b, size = BF16_CONV_LARGE
+            conv_flops["bf16"].append((b, _add_conv(more, "bf16", b, size)))
+            add_gemms(more, "bf16", "fp32")
+            best.update(more.run())
     del pool
     gemm = {name: gemm_fits(best, name) for name in HALF_TIMED}
     conv = {name: tuple((f, f / best[("conv", name, True, b)], 2 * f / best[("conv", name, False, b)])
                         for b, f in sizes) for name, sizes in conv_flops.items()}
-    attention = {name: (f / best[("attention", name, True)], b / best[("attention", name, False)])
-                 for name, (f, b) in attention_flops.items()}
+    lengths = {name: tuple((float(n), f / best[("attention", name, True, n)], b / best[("attention", name, False, n)])
+                           for n, (f, b) in sorted(by_length.items())) for name, by_length in attention_flops.items()}
+    attention = {name: next((f, b) for n, f, b in pts if n == 128) for name, pts in lengths.items()}
     element, convert = _elements(best)
     step, ops, counting = _tiny_step()  # less the first count's import of sympy
     return CpuProfile(torch.get_num_threads(), gemm, conv, best[("conv fixed",)], attention, _memory(best), element,
                       convert, step / max(ops, 1), best[("dispatch",)] / LOOP, time.perf_counter() - t0 - counting[0],
-                      time.thread_time() - c0 - counting[1])
+                      time.thread_time() - c0 - counting[1], attention_lengths=lengths)
+
+
+def _bf16_convs_fast(best: dict[Any, float], conv_flops: dict[str, list[tuple[int, float]]]) -> bool:
+    """Whether the small bf16 convolution ran at least :data:`BF16_CONV_FAST` of the small fp32 one's rate."""
+    (b16, f16), (b32, f32) = conv_flops["bf16"][0], conv_flops["fp32"][0]
+    return f16 / best[("conv", "bf16", True, b16)] >= BF16_CONV_FAST * f32 / best[("conv", "fp32", True, b32)]
 
 
 _PROFILES: dict[int, CpuProfile] = {}

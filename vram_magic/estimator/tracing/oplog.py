@@ -169,6 +169,24 @@ def gemm_shape(args: Any) -> tuple[int, int, int, int, int] | None:
     return int(batch), int(m), int(n), int(k), 2 * _transposed(a) + _transposed(b)
 
 
+def cpu_attention_shape(name: str, args: Any, kwargs: dict[str, Any]) -> tuple[int, int, int, int, int] | None:
+    """``(batch × heads, query length, key length, head dim, causal)`` of the CPU's flash attention kernels (their
+    tensors are ``(batch, heads, length, dim)``), whose speed depends on the lengths; None for other kernels."""
+    if "flash_attention_for_cpu" not in name:
+        return None
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    backward = "backward" in name
+    try:
+        q, k = (tensors[1], tensors[2]) if backward else (tensors[0], tensors[1])
+        causal = args[7] if backward and len(args) > 7 else (args[4] if not backward and len(args) > 4 else
+                                                              kwargs.get("is_causal", False))
+        if q.dim() != 4 or k.dim() != 4:
+            return None
+        return int(q.shape[0] * q.shape[1]), int(q.shape[2]), int(k.shape[2]), int(q.shape[3]), int(causal is True)
+    except IndexError:
+        return None
+
+
 def attention_flops(name: str, args: Any, kwargs: dict[str, Any]) -> int:
     """FLOPs of a scaled-dot-product attention kernel PyTorch's counter has no formula for (the CPU's flash kernels),
     from its query, key and value (and output gradient): half the full count for a causal mask, whose blocks above
@@ -190,7 +208,8 @@ def attention_flops(name: str, args: Any, kwargs: dict[str, Any]) -> int:
 
 @dataclass
 class OpLog:
-    """One row per op, column by column; ``shape`` indexes :attr:`shapes` (a matmul's ``(batch, m, n, k, layout)``),
+    """One row per op, column by column; ``shape`` indexes :attr:`shapes` (a matmul's ``(batch, m, n, k, layout)``, the
+    CPU flash attention's ``(batch × heads, query length, key length, head dim, causal)``),
     -1 for other ops."""
 
     stage: array = field(default_factory=lambda: array("b"))
@@ -244,8 +263,10 @@ class OpLog:
                 in_bytes, in_most = in_bytes + kw_bytes, max(in_most, kw_most)
             nbytes, most = in_bytes + out_bytes, max(in_most, out_most)
         shape = gemm_shape(args) if kind == MATMUL else None
-        if kind == ATTENTION and not flops:
-            flops = attention_flops(name, args, kwargs)
+        if kind == ATTENTION:
+            shape = cpu_attention_shape(name, args, kwargs)
+            if not flops:
+                flops = attention_flops(name, args, kwargs)
         self.add(stage, kind, first_float_dtype(args), recompute, flops, nbytes, 0.0 if traits.mutates else out_bytes,
                  most, shape)
 
