@@ -74,6 +74,18 @@ ELEMENTS = 1 << 18
 LOOP = 256
 
 
+def _log_interpolated(pts: tuple[tuple[float, float, float], ...], x: float, col: int) -> float:
+    """Column ``col`` of ``pts`` (sorted by their first column) at ``x``, geometric between the points around it (log
+    linear in x), the ends' values beyond them."""
+    if x <= pts[0][0]:
+        return pts[0][col]
+    for a, b in zip(pts, pts[1:]):
+        if x <= b[0]:
+            w = (math.log(x) - math.log(a[0])) / (math.log(b[0]) - math.log(a[0]))
+            return math.exp(math.log(a[col]) + (math.log(b[col]) - math.log(a[col])) * w)
+    return pts[-1][col]
+
+
 @dataclass(frozen=True)
 class CpuProfile:
     """What this CPU achieved. ``gemm[dtype][layout]``: the fitted matmul model; ``conv[dtype]``: ``(forward FLOPs,
@@ -129,13 +141,7 @@ class CpuProfile:
         work), the ends' rates beyond them."""
         pts = self.conv.get(dtype) or self.conv.get("bf16" if dtype == "fp16" else "fp32") or self.conv["fp32"]
         col = 1 if forward else 2
-        if flops <= pts[0][0]:
-            return pts[0][col]
-        for a, b in zip(pts, pts[1:]):
-            if flops <= b[0]:
-                w = (math.log(flops) - math.log(a[0])) / (math.log(b[0]) - math.log(a[0]))
-                return math.exp(math.log(a[col]) + (math.log(b[col]) - math.log(a[col])) * w)
-        return pts[-1][col]
+        return _log_interpolated(pts, flops, col)
 
     def attention_rate(self, dtype: str, forward: bool, tokens: float | None) -> float:
         """FLOP/s of the CPU's flash attention of ``dtype`` (fp16 as bf16, other dtypes as fp32) in either direction,
@@ -149,13 +155,7 @@ class CpuProfile:
         pts = self.attention_lengths.get(name)
         if not pts or not tokens:
             return self.attention[name][col - 1]
-        if tokens <= pts[0][0]:
-            return pts[0][col]
-        for a, b in zip(pts, pts[1:]):
-            if tokens <= b[0]:
-                w = (math.log(tokens) - math.log(a[0])) / (math.log(b[0]) - math.log(a[0]))
-                return math.exp(math.log(a[col]) + (math.log(b[col]) - math.log(a[col])) * w)
-        return pts[-1][col]
+        return _log_interpolated(pts, tokens, col)
 
     def gemm_fit(self, dtype: str, layout: str) -> GemmFit:
         """The matmul model of ``dtype`` (fp32's for integer and other dtypes), timed now if it was not yet; a layout
