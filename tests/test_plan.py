@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import run_ok
+from conftest import TORCH_BEFORE_2_6, run_ok
 from torch import nn
 
 import vram_magic
@@ -255,31 +255,38 @@ def test_a_generate_plan_ranks_weights_caches_and_the_largest_batch_by_tokens_pe
     assert any("bf16 weights" in r.numerics for r in plan.rows)
 
 
-@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
-def test_a_rows_code_runs_each_micro_batch_under_autocast(amp):
-    """Accumulation with autocast is one loop: each micro-batch's forward under autocast (fp16 scaled), one update
-    a step. The code runs as written, on the CPU, and trains as the row says: the weights change once a step."""
+@pytest.mark.parametrize("keyed", [False, True], ids=["tensor batch", "dict batch"])
+@pytest.mark.parametrize("amp", [None, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_a_rows_accumulation_code_runs_as_written(amp, keyed):
+    """Accumulation (with autocast where the row has it: one loop, each micro-batch's forward under autocast, fp16
+    scaled) runs as written on the CPU for a tensor batch and for a dict of tensors (a transformers model's), and
+    trains as the row says: every sample seen once, one update a step."""
     from vram_magic.estimator.explore.choices import Choice, describe
     from vram_magic.estimator.options import Options
 
     choice = Choice(micro=2, accumulate=4, checkpointing=False, zero=None, offload=False, amp=amp, lora=None,
                     quantize=None, optimizer=None, global_batch=8)
-    code = describe(choice, Options(device="cpu")).code
-    loops = [c for c in code if c.startswith(("for micro", "scaler = torch.amp.GradScaler('cpu')\nfor micro"))]
-    assert len(loops) == 1 and not any("model(**batch)" in c for c in code), code
+    code = describe(choice, Options(device="cpu"), keyed=keyed).code
+    loops = [c for c in code if "micro-batches" in c]
+    assert len(loops) == 1 and not any("model(**batch)" in c or "model(batch)" in c for c in code), code
     loop = loops[0]
-    assert loop.count("torch.autocast('cpu'") == 1 and loop.index("torch.autocast") > loop.index("for micro")
+    if amp is not None:
+        assert loop.count("torch.autocast('cpu'") == 1 and loop.index("torch.autocast") > loop.index("for ")
 
     class Out:
         def __init__(self, loss):
             self.loss = loss
+
+    seen = []
 
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(4, 4)
 
-        def forward(self, x):
+        def forward(self, x=None, *, input_ids=None):
+            x = input_ids if x is None else x
+            seen.append(len(x))
             return Out(self.lin(x).float().square().mean())
 
     torch.manual_seed(0)
@@ -287,6 +294,22 @@ def test_a_rows_code_runs_each_micro_batch_under_autocast(amp):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     optimizer.register_step_post_hook(lambda *a: calls.append(1))
     before = model.lin.weight.detach().clone()
-    exec(loop, {"torch": torch, "model": model, "batch": torch.randn(8, 4), "optimizer": optimizer})
-    assert calls == [1] and not torch.equal(before, model.lin.weight)
+    x = torch.randn(8, 4)
+    exec(loop, {"torch": torch, "model": model, "batch": {"input_ids": x} if keyed else x, "optimizer": optimizer})
+    assert seen == [2, 2, 2, 2] and calls == [1] and not torch.equal(before, model.lin.weight)
     assert all(p.grad is None for p in model.parameters())  # zero_grad after the step
+
+
+@pytest.mark.skipif(TORCH_BEFORE_2_6, reason="transformers 5 needs PyTorch 2.6 or later")
+def test_a_plan_of_a_dict_batch_writes_code_for_a_dict():
+    """The plan knows its inputs: a transformers model's dict batch gets a loop over slices of every key."""
+    transformers = pytest.importorskip("transformers")
+    GPT2Config, GPT2LMHeadModel = transformers.GPT2Config, transformers.GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=16))
+    ids = torch.randint(0, 100, (8, 16))
+    plan = vram_magic.plan(model, {"input_ids": ids, "labels": ids}, device="cpu", budget="1GiB", top=20)
+    accumulated = [r for r in plan.rows if r.accumulate > 1]
+    assert accumulated, [r.name for r in plan.rows]
+    for r in accumulated:
+        assert any("for k, v in batch.items()" in c and "model(**micro)" in c for c in r.code), r.code

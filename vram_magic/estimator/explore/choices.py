@@ -71,28 +71,36 @@ def _autocast(c: Choice, base: Options) -> str:
     return f"with torch.autocast({device!r}, dtype=torch.{'bfloat16' if c.amp == torch.bfloat16 else 'float16'}):"
 
 
-def _accumulation_code(c: Choice, base: Options) -> str:
-    """The accumulation loop, each micro-batch's forward under autocast where the row has it (fp16: scaled)."""
-    head = f"for micro in batch.split({c.micro}):  # {c.accumulate} micro-batches a step\n"
+def _accumulation_code(c: Choice, base: Options, keyed: bool = False) -> str:
+    """The accumulation loop, each micro-batch's forward under autocast where the row has it (fp16: scaled);
+    ``keyed``: the batch is a dict of tensors (a transformers model's ``input_ids``, ``labels``, ...)."""
+    if keyed:
+        head = (f"for i in range({c.accumulate}):  # {c.accumulate} micro-batches of {c.micro} a step\n"
+                f"    micro = {{k: v[i * {c.micro}:(i + 1) * {c.micro}] for k, v in batch.items()}}\n")
+        call = "model(**micro)"
+    else:
+        head = f"for micro in batch.split({c.micro}):  # {c.accumulate} micro-batches a step\n"
+        call = "model(micro)"
     if c.amp is None:
-        return head + f"    (model(micro).loss / {c.accumulate}).backward()\noptimizer.step(); optimizer.zero_grad()"
+        return head + f"    ({call}.loss / {c.accumulate}).backward()\noptimizer.step(); optimizer.zero_grad()"
     fp16 = c.amp == torch.float16
     return ((f"scaler = torch.amp.GradScaler({_device(base)!r})\n" if fp16 else "") + head
-            + f"    {_autocast(c, base)}\n        loss = model(micro).loss / {c.accumulate}\n"
+            + f"    {_autocast(c, base)}\n        loss = {call}.loss / {c.accumulate}\n"
             + ("    scaler.scale(loss).backward()\nscaler.step(optimizer); scaler.update(); optimizer.zero_grad()"
                if fp16 else "    loss.backward()\noptimizer.step(); optimizer.zero_grad()"))
 
 
-def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gpus: int = 1) -> Facts:
+def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gpus: int = 1,
+             keyed: bool = False) -> Facts:
     """What ``c`` changes from a plain step of ``base`` (one micro-batch a step, nothing sharded or offloaded), with
-    code and trade-offs when ``model`` (its source) is given."""
+    code and trade-offs when ``model`` (its source) is given; ``keyed``: the inputs are a dict of tensors."""
     changes, numerics, code, trade = model_parallel_facts(c, gpus)
     built = _model(model)
     hf = built is not None and callable(getattr(built, "gradient_checkpointing_enable", None))
     accumulated = c.accumulate > 1 and c.pp == 1
     if accumulated:
         changes.append(f"micro-batch {c.micro} × {c.accumulate} accumulated")
-        code.append(_accumulation_code(c, base))
+        code.append(_accumulation_code(c, base, keyed))
         if built is not None and any(isinstance(m, _BATCH_NORMS) for m in built.modules()):
             trade.append(f"BatchNorm's statistics come from micro-batches of {c.micro} samples, not "
                          f"{c.per_rank}: noisier, and different from a step of the whole batch")
@@ -116,7 +124,7 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
         changes.append(f"{name} autocast")
         numerics.append(f"{name} mixed precision")
         if not accumulated:  # (with accumulation, the loop above runs each micro-batch under autocast)
-            code.append(f"{_autocast(c, base)}\n    loss = model(**batch).loss")
+            code.append(f"{_autocast(c, base)}\n    loss = model({'**batch' if keyed else 'batch'}).loss")
             if c.amp == torch.float16:
                 code.append(f"scaler = torch.amp.GradScaler({_device(base)!r}); scaler.scale(loss).backward(); "
                             "scaler.step(optimizer); scaler.update()")

@@ -310,7 +310,8 @@ def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request:
 
 
 def _row(c: Choice, est: Any, t: StepTime, planner: Planner, tokens: int, request: Request) -> PlanRow:
-    facts = describe(c, planner.base, model=request.source, gpu=planner.target.gpu, gpus=planner.gpus)
+    facts = describe(c, planner.base, model=request.source, gpu=planner.target.gpu, gpus=planner.gpus,
+                     keyed=isinstance(request.specs, dict))
     per_second = c.global_batch / t.total if t.total > 0 else 0.0
     return PlanRow(name=facts.name, options=_kwargs(c, planner), changes=facts.changes, peak=est.peak,
                    needed=est.needed, fits=est.fits, step_time=t.total,
