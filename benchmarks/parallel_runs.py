@@ -21,7 +21,9 @@ tensor-parallel step keeps its output and loss until it returns, as a training l
 :func:`run` starts the ranks and returns plain numbers per rank (:class:`RankFigures` as dicts): the measured
 ``before``, ``after`` and ``peak`` by category with their details, the most each detail held at once, and the
 profiler's view of the same steps in the same rank (run again on a fresh copy of the job, not measured): its
-highest CPU memory above where it started, beside the measurement's peak above its ``before``.
+highest CPU memory above where it started, beside the measurement's peak above its ``before``. A tensor-parallel case
+is measured twice in each rank and the lower peak kept (:data:`TP_MEASURED_RUNS`: gloo's worker thread now and then
+lets go of a collective's buffers late).
 
 How ranks start: one launcher process is spawned (a new interpreter that imports torch, and transformers when a
 case needs it, and never runs backward), then it forks the ranks, which rendezvous through a c10d TCP store on a
@@ -34,6 +36,7 @@ it left). ``armed=True`` runs one case without ``measure()`` in the ranks, insid
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -368,17 +371,34 @@ def _profiled_rise(case: Case, world: int, rank: int, mesh: Any) -> int:
     return int(profiled_cpu_peak(prof))
 
 
+#: measured runs of a tensor-parallel case in each rank, the lowest peak kept: gloo's worker thread lets go of a
+#: finished collective's buffers a moment after the rank's wait returns, and now and then after the rank has made its
+#: next tensors, so a run's peak holds a buffer that the program itself had released. Such a delay only ever adds (a
+#: hidden state, 524,288 B, in the backward of the sequence-parallel Llama on 2 ranks moved that rank's peak from the
+#: forward's end into the backward, 1 suite run of 4 here); of two identical runs the lower is the one without it.
+TP_MEASURED_RUNS = 2
+
+
 def _measure_case(case: Case, world: int, rank: int, mesh: Any) -> dict[str, Any]:
     import vram_magic
 
-    ns, step = _job(case, world, rank, mesh)
-    with vram_magic.measure(namespace=ns) as m:
-        for _ in range(STEPS):
-            step()
-    del ns, step
     stages = (interleaved_stages(world, rank) if case.schedule == "interleaved" else [rank]) if case.kind == "pp" \
         else []
-    return figures_of(m.report, case=case.name, world=world, rank=rank, stages=stages)
+    best: dict[str, Any] | None = None
+    for run in range(TP_MEASURED_RUNS if case.kind == "tp" else 1):
+        if run:
+            gc.collect()  # the first run's job, gone before the second is measured
+        ns, step = _job(case, world, rank, mesh)
+        with vram_magic.measure(namespace=ns) as m:
+            for _ in range(STEPS):
+                step()
+        del ns, step
+        figures = figures_of(m.report, case=case.name, world=world, rank=rank, stages=stages, measured_runs=run + 1)
+        if best is None or figures["measured_rise"] < best["measured_rise"]:
+            best = figures
+        best["measured_runs"] = run + 1
+    assert best is not None
+    return best
 
 
 # --- the ranks ----------------------------------------------------------------------------------------------------
