@@ -95,7 +95,7 @@ def cpu_attention_work(keys: int, causal: bool) -> float:
     if not causal:
         return 1.0
     blocks = max(1, -(-keys // CPU_ATTENTION_KEY_BLOCK))
-    return 2.0 * (blocks + 1) / (2 * blocks)  # of the half counted
+    return (blocks + 1) / blocks  # (n + 1) / 2n of the full work, over the half counted
 
 
 def cpu_op_time(profile: CpuProfile) -> Callable[..., float]:

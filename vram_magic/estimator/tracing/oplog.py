@@ -175,16 +175,21 @@ def cpu_attention_shape(name: str, args: Any, kwargs: dict[str, Any]) -> tuple[i
     if "flash_attention_for_cpu" not in name:
         return None
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    backward = "backward" in name
     try:
-        q, k = (tensors[1], tensors[2]) if backward else (tensors[0], tensors[1])
-        causal = args[7] if backward and len(args) > 7 else (args[4] if not backward and len(args) > 4 else
-                                                              kwargs.get("is_causal", False))
-        if q.dim() != 4 or k.dim() != 4:
-            return None
-        return int(q.shape[0] * q.shape[1]), int(q.shape[2]), int(k.shape[2]), int(q.shape[3]), int(causal is True)
+        q, k = (tensors[1], tensors[2]) if "backward" in name else (tensors[0], tensors[1])
     except IndexError:
         return None
+    if q.dim() != 4 or k.dim() != 4:
+        return None
+    return (int(q.shape[0] * q.shape[1]), int(q.shape[2]), int(k.shape[2]), int(q.shape[3]),
+            int(_causal(name, args, kwargs)))
+
+
+def _causal(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a scaled-dot-product attention kernel's call asks for a causal mask (``is_causal``: the forward's fifth
+    argument, the backward's eighth)."""
+    index = 7 if "backward" in name else 4
+    return (args[index] if len(args) > index else kwargs.get("is_causal", False)) is True
 
 
 def attention_flops(name: str, args: Any, kwargs: dict[str, Any]) -> int:
@@ -196,14 +201,12 @@ def attention_flops(name: str, args: Any, kwargs: dict[str, Any]) -> int:
         if "backward" in name:
             grad, q, k, v = (t.shape for t in tensors[:4])
             flops = sdpa_backward_flop_count(grad, q, k, v)
-            causal = args[7] if len(args) > 7 else kwargs.get("is_causal", False)
         else:
             q, k, v = (t.shape for t in tensors[:3])
             flops = sdpa_flop_count(q, k, v)
-            causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
     except (AssertionError, ValueError, IndexError):
         return 0
-    return int(flops // 2 if causal is True else flops)
+    return int(flops // 2 if _causal(name, args, kwargs) else flops)
 
 
 @dataclass

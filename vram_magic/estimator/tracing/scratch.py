@@ -237,9 +237,8 @@ def _gemm_scratch_for(func: str, spec: Any) -> int:
     if op is None:
         return 0
     arg, dim = _GEMM_ROWS[func]
-    rows = spec[arg][1][dim]
     try:
-        if rows > 2 * GEMM_ROWS_CAP:
+        if spec[arg][1][dim] > 2 * GEMM_ROWS_CAP:
             small, large = (_gemm_probe(op, _with_rows(func, spec, r)) for r in (GEMM_ROWS_CAP, 2 * GEMM_ROWS_CAP))
             if small is not None and small == large:
                 return max(0, large)
@@ -252,11 +251,14 @@ def _gemm_scratch_for(func: str, spec: Any) -> int:
 def _gemm_probe(op: Any, spec: Any) -> int | None:
     """The scratch of one real GEMM of ``spec``'s shapes and strides; None where its operands would take more than
     ``PROBE_BUDGET`` (too big to run here: not measured)."""
-    tensors = [s for s in spec if isinstance(s, tuple) and s and s[0] == "S"]
-    if sum(_strided_bytes(s) for s in tensors) > PROBE_BUDGET:
+    if sum(_strided_bytes(s) for s in spec if _is_strided(s)) > PROBE_BUDGET:
         return None
-    args = [_strided(s) if isinstance(s, tuple) and s and s[0] == "S" else s for s in spec]
-    return _probe_op(op, args)
+    return _probe_op(op, [_strided(s) if _is_strided(s) else s for s in spec])
+
+
+def _is_strided(spec: Any) -> bool:
+    """Whether an argument's spec is a tensor's ``("S", shape, stride, dtype)`` (tracer.strided_spec)."""
+    return isinstance(spec, tuple) and bool(spec) and spec[0] == "S"
 
 
 def _with_rows(func: str, spec: Any, rows: int) -> tuple[Any, ...]:
@@ -267,8 +269,7 @@ def _with_rows(func: str, spec: Any, rows: int) -> tuple[Any, ...]:
     out[arg] = _cut(spec[arg], dim, rows)
     if func == "aten.addmm.default":
         bias = spec[0]
-        if isinstance(bias, tuple) and bias and bias[0] == "S" and len(bias[1]) == 2 \
-                and bias[1][0] == spec[arg][1][dim]:
+        if _is_strided(bias) and len(bias[1]) == 2 and bias[1][0] == spec[arg][1][dim]:
             out[0] = _cut(bias, 0, rows)
     return tuple(out)
 
