@@ -39,6 +39,7 @@ from ..tracing.request import Request
 from ..tracing.scripted import has_scripted
 from ..tracing.traced import Trace
 from ..tracing.tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
+from .first_step import claim_state, run_first_step, state_key
 
 
 def checkpoint_units(model: nn.Module) -> list[nn.Module]:
@@ -56,9 +57,12 @@ def checkpoint_units(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def trace_step(request: Request, opts: Options, sdpa: tuple[tuple[int, int], bool] | None = None) -> Trace:
+def trace_step(request: Request, opts: Options, sdpa: tuple[tuple[int, int], bool] | None = None,
+               states: dict[Any, Any] | None = None) -> Trace:
     """The fake run; ``sdpa``: ``(compute capability, whether the GPU was named)`` to run attention as the CUDA
-    kernels do (:func:`.cuda_attention.target_capability`), ``None`` to keep the CPU's."""
+    kernels do (:func:`.cuda_attention.target_capability`), ``None`` to keep the CPU's; ``states``: the optimizer
+    state that earlier fake runs of the same workload left after their first step (``first_step.py``), read and
+    added to."""
     import logging
     import time
 
@@ -70,15 +74,17 @@ def trace_step(request: Request, opts: Options, sdpa: tuple[tuple[int, int], boo
     try:
         with warnings.catch_warnings(), estimating():
             warnings.simplefilter("ignore")
-            return _trace(request, opts, mode, t0, sdpa)
+            return _trace(request, opts, mode, t0, sdpa, states)
     finally:
         log.setLevel(level)
 
 
-def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float, sdpa: Any) -> Trace:
+def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float, sdpa: Any,
+           states: dict[Any, Any] | None = None) -> Trace:
     from ..layouts.rank_trace import rank_trace
 
     step = _FakeStep(request, opts, mode, rank_trace(opts))
+    step.states = states
     step.build()
     step.prepare()
     if sdpa is not None:
@@ -123,6 +129,7 @@ class _FakeStep:
         self.n_micro = 1 if opts.inference else min(opts.accumulate, 2)
         self.ops_start = 0  # the op log's row where the last step starts
         self.autocast: Any = None  # CUDA's autocast policy (target/autocast.py), for amp= estimates for CUDA
+        self.states: dict[Any, Any] | None = None  # the optimizer state earlier runs' first steps left (first_step.py)
 
     # --- the model and its inputs on fake tensors -------------------------------------------------------------
     def build(self) -> None:
@@ -235,7 +242,8 @@ class _FakeStep:
                     if opts.inference:
                         self._forward(last)
                     elif step == 0 and steps > 1 and not scripted:
-                        _first_step(self.updater, self.trainable, tracer, self.claim, self.host_scalars)
+                        run_first_step(self.updater, self.trainable, tracer, self.claim, self.host_scalars,
+                                       self.states, self._state_key())
                     else:
                         self._train_step(last)
                 tracer.stage = SETUP
@@ -289,12 +297,19 @@ class _FakeStep:
             marks["backward_end"] = len(tracer.events)
         tracer.stage = OPTIMIZER
         self.updater.step()
-        _claim_state(optimizer, self.claim, self.host_scalars)
+        claim_state(optimizer, self.claim, self.host_scalars)
         if last:
             marks["step_end"] = len(tracer.events)
         tracer.stage = ZERO_GRAD
         self.updater.zero_grad(set_to_none=True)
         del out, loss  # as a loop that ends each step with `del out, loss` (or returns) does
+
+    def _state_key(self) -> Any:
+        """What decides the state the first step leaves (first_step.state_key); None for a rank of a tensor- or
+        pipeline-parallel job, whose parameters are shards: its first step always runs."""
+        if self.parallel is not None:
+            return None
+        return state_key(self.opts.optimizer, self.opts.device, bool(self.masters), self.masters or self.trainable)
 
     def _bytes(self, p: Any) -> int:
         """A parameter's bytes on this rank (a tensor-parallel shard's own)."""
@@ -416,16 +431,6 @@ def _autocast_mode(autocast: Any, compiled: bool) -> Any:
     return CudaAutocastMode(autocast)
 
 
-def _claim_state(optimizer: torch.optim.Optimizer, claim: Callable[..., int | None], host_scalars: set[int]) -> None:
-    for state in optimizer.state.values():
-        for key, v in state.items():
-            if isinstance(v, torch.Tensor):
-                scalar = v.dim() == 0
-                s = claim(v, ("optimizer_state", "step counters" if scalar else str(key)))
-                if scalar and s is not None:
-                    host_scalars.add(s)
-
-
 class _MasterStep:
     """Mixed precision with fp32 master weights (the ZeRO paper's scheme, DeepSpeed's and Megatron's): the
     half-precision gradients are cast to fp32 for the update, the optimizer updates the fp32 master copy, and
@@ -449,23 +454,6 @@ class _MasterStep:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for p in self.params:
             p.grad = None
-
-
-def _first_step(optimizer: Any, trainable: list[nn.Parameter], tracer: StepTracer,
-                claim: Callable[..., int | None], host_scalars: set[int]) -> None:
-    """The first step only has to leave the optimizer's state behind; its forward and backward are the same
-    ops as the second step's (no tensor of theirs outlives the step), so stand-in gradients replace them:
-    half the ops of a big model's estimate. A parameter the second step leaves without a gradient loses the
-    state stood in for it before that step's update."""
-    tracer.stage = BACKWARD
-    for p in trainable:
-        p.grad = torch.empty_like(p)
-        claim(p.grad, ("gradients", "gradients"))
-    tracer.stage = OPTIMIZER
-    optimizer.step()
-    _claim_state(optimizer, claim, host_scalars)
-    tracer.stage = ZERO_GRAD
-    optimizer.zero_grad(set_to_none=True)
 
 
 __all__ = ["checkpoint_units", "trace_step"]

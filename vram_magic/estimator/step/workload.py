@@ -31,6 +31,7 @@ class StepWorkload:
     def __init__(self, request: Request, target: Target) -> None:
         self.request, self.target = request, target
         self._traces: KeptTraces[Trace] = KeptTraces(KEPT_TRACES)
+        self._states: dict[Any, Any] = {}  # the optimizer state the first fake run's first step left (first_step.py)
 
     @property
     def traced(self) -> int:
@@ -41,7 +42,7 @@ class StepWorkload:
         """The fake run for ``opts``, made once per configuration that changes it (:meth:`Options.trace_key`, and the
         GPU's compute capability, which chooses CUDA's attention kernels)."""
         sdpa = target_capability(opts.device, self.target.gpu)
-        return self._traces.get((opts.trace_key(), sdpa), lambda: trace_step(self.request, opts, sdpa))
+        return self._traces.get((opts.trace_key(), sdpa), lambda: trace_step(self.request, opts, sdpa, self._states))
 
     def evaluate(self, opts: Options) -> StepEstimate:
         if opts.parallel:  # a tensor- or pipeline-parallel job: one trace per rank's role
