@@ -114,3 +114,25 @@ def test_state_that_cannot_be_remade_is_not_kept():
     assert layout == ((("buf", ("T", (4,), (1,), torch.float32, "cpu")),),
                       (("buf", ("T", (3, 2), (1, 3), torch.float32, "cpu")), ("lr", ("V", 0.1)),
                        ("betas", ("V", (0.9, 0.99))), ("k", ("V", None))))
+
+
+def test_cuda_estimates_always_run_the_first_step():
+    """CUDA's simulated caching allocator places blocks by the history before them: the state is made inside a real
+    update there, as on a GPU, every time."""
+    model, x = mlp(), torch.randn(16, 64)
+    target = make_target("A100-80GB")
+    shared = StepWorkload(Request(model, x), target)
+    shared.evaluate(make_options(optimizer="adamw", device="cuda"))
+    calls = []
+    real = first_step._stand_in_step
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    first_step._stand_in_step = counting
+    try:
+        shared.evaluate(make_options(optimizer="adamw", device="cuda", checkpointing=True))
+    finally:
+        first_step._stand_in_step = real
+    assert calls == [1]

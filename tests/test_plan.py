@@ -63,6 +63,45 @@ def test_a_smaller_micro_batch_scales_each_ops_work_and_keeps_its_floor():
     assert quarter.optimizer == whole.optimizer == pytest.approx(0.001)
 
 
+def test_a_cpu_screen_scales_each_parts_work_and_keeps_each_ops_own_cost():
+    """On the CPU, whose per-op rules need shapes a scaled row lacks, the screen scales each part's total less its
+    ops' fixed cost (2 µs each): a matmul of 20 ms + 2 µs at a quarter is 5 ms + 2 µs; 100 pointwise ops of 10 ns
+    + 2 µs are 100 × (2.5 ns + 2 µs), not a quarter of the whole (50.25 µs); the optimizer as traced."""
+    from types import SimpleNamespace
+
+    from vram_magic.estimator.explore.timing import scaled_micro_ops
+
+    log = OpLog()
+    log.add(1, MATMUL, 1, False, 2e12, 1e9)
+    for _ in range(100):
+        log.add(1, POINTWISE, 0, False, 0, 1e4)
+    log.add(3, POINTWISE, 0, False, 0, 1e9)
+    def op_time(stage, kind, dtype, again, flops, nbytes, *shape):  # the generic rule, as a device's own
+        return max(nbytes / 1e12, flops / 100e12) + 2e-6
+
+    rates = Rates("cpu-like", lambda dtype, flops: 100e12, 1e12, 2e-6, 0.0, "", op_time=op_time)
+    trace = SimpleNamespace(ops=log, ops_start=0, micro_steps=1)
+    whole = scaled_micro_ops(trace, rates, 1.0)
+    assert whole.compute == pytest.approx(0.020 + 2e-6) and whole.memory == pytest.approx(100 * (1e-8 + 2e-6))
+    quarter = scaled_micro_ops(trace, rates, 0.25)
+    assert quarter.compute == pytest.approx(0.005 + 2e-6)
+    assert quarter.memory == pytest.approx(100 * (0.25e-8 + 2e-6))
+    assert quarter.optimizer == whole.optimizer == pytest.approx(0.001 + 2e-6)
+    # two micro-batches traced (accumulation): the counts per micro-batch are half the log's
+    trace2 = SimpleNamespace(ops=log, ops_start=0, micro_steps=2)
+    half = scaled_micro_ops(trace2, rates, 0.5)
+    assert half.memory == pytest.approx(50 * (0.5e-8 + 2e-6))
+
+
+def test_a_cpu_plan_with_room_to_spare_ranks_the_whole_batch_first():
+    """Everything fits in 1 GiB: the fastest row runs the whole batch at once (the screen used to rank every
+    micro-batch of a class alike, and the first it listed, the smallest, were estimated: 1 × 64, 2 × 32 and
+    4 × 16 at 143, 74 and 39 ms a step, where the whole batch takes about 7)."""
+    plan = vram_magic.plan(mlp(), torch.randn(64, 256), device="cpu", budget="1GiB", top=3)
+    assert plan.best.accumulate == 1 and plan.best.micro_batch == 64
+    assert all(r.micro_batch >= 16 for r in plan.rows)
+
+
 def test_ring_collectives_by_hand():
     bw = 300 * GB  # an A100's NVLink per direction, at 80 %: 240 GB/s
     grads = params = 1 * GB
@@ -113,11 +152,12 @@ def test_every_row_is_the_estimate_its_options_give_and_rows_are_fastest_first()
         assert row.micro_batch * row.accumulate == 512
         assert row.step_time == pytest.approx(sum(row.time.values()))
     # the whole batch in one step needs 46.06 MiB (two micro-batches 43.58: the first one's gradients stay), four
-    # micro-batches 38.33, checkpointing 38.57: every row splits it in four or more, or checkpoints
+    # micro-batches 38.33, checkpointing 38.57: every fp32 row splits it in four or more, or checkpoints (bf16
+    # autocast rows, faster where the CPU has bf16 matmuls, fit otherwise)
     whole = vram_magic.estimate(model, x, device="cpu")
     assert whole.needed > 42 * MiB
     assert vram_magic.estimate(model, x, device="cpu", accumulate=2).needed > 42 * MiB
-    assert all(r.accumulate >= 4 or r.options.get("checkpointing") for r in plan.rows)
+    assert all(r.accumulate >= 4 or r.options.get("checkpointing") for r in plan.rows if "amp" not in r.options)
     frame = plan.to_frame()
     assert list(frame["needed"]) == [r.needed for r in plan.rows]
     assert len(plan.scored) >= len(plan.rows) and sum(s.exact for s in plan.scored) >= len(plan.rows)
@@ -139,6 +179,40 @@ def test_combinations_the_screen_overstates_are_estimated_exactly_and_ranked_by_
     assert any("although the screen put them above the capacity" in n for n in plan.notes)
     for row in plan.rows:
         assert vram_magic.estimate(model, x, **row.options).needed == row.needed <= 42 * MiB
+
+
+def test_checkpointed_classes_are_traced_only_when_their_bound_comes_up(monkeypatch):
+    """A checkpointed combination's time is bounded below by the same combination's without checkpointing: the
+    bound never exceeds its screened time, the rows are those of a plan that screens every class, and a class
+    whose bound stays behind the rows is never traced (fewer fake runs, and the plan says how many it left)."""
+    from dataclasses import replace
+
+    from vram_magic.estimator.explore.plan import Planner
+
+    model, x = mlp(), torch.randn(64, 256)
+    plan = vram_magic.plan(model, x, device="cpu", budget="1GiB", top=3)
+    screens = {}
+    screen = Planner.screen
+
+    def recorded(self, c):
+        needed, t = screen(self, c)
+        screens[c] = t.total
+        return needed, t
+
+    monkeypatch.setattr(Planner, "screen", recorded)
+    monkeypatch.setattr(Planner, "lazy", lambda self, c: False)
+    every = vram_magic.plan(model, x, device="cpu", budget="1GiB", top=3)
+    assert [(r.name, r.needed, r.step_time) for r in plan.rows] == [(r.name, r.needed, r.step_time)
+                                                                     for r in every.rows]
+    # 6 micro-batches (1, 2, 4, 16, 32, 64: at most six of 64's seven divisors) x 3 checkpointing x 2 precisions
+    assert len(every.scored) == len(screens) == 36 and every.bounded == 0
+    assert plan.bounded > 0 and len(plan.scored) + plan.bounded == 36
+    assert plan.traced < every.traced
+    assert any("left untraced" in n for n in plan.notes) and f"{plan.bounded} bounded untraced" in str(plan)
+    checkpointed = [c for c in screens if c.checkpointing]
+    assert len(checkpointed) == 24
+    for c in checkpointed:  # each one's screened time at least its bound, the same combination's without it
+        assert screens[c] >= screens[replace(c, checkpointing=False)] > 0
 
 
 def test_nothing_fits_says_so_and_shows_the_closest():

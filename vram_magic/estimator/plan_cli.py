@@ -41,7 +41,7 @@ def as_json(p: Any) -> dict[str, Any]:
     return {
         "model": p.model, "gpu": p.gpu, "gpus": p.gpus, "capacity": p.capacity, "global_batch": p.global_batch,
         "unit": p.unit, "calibration": p.calibration, "assumptions": list(p.assumptions), "notes": list(p.notes),
-        "scored": len(p.scored), "traced": p.traced,
+        "scored": len(p.scored), "bounded": p.bounded, "traced": p.traced,
         "rows": [{"name": r.name, "options": {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
                                               for k, v in r.options.items()},
                   "needed": r.needed, "peak": r.peak.as_dict(), "fits": r.fits, "step_time": r.step_time,

@@ -71,6 +71,7 @@ class Plan(Rendered):
     calibration: tuple[float, str] | None = None  # (factor applied to every time, what it was measured on)
     traced: int = 0  # fake runs made
     wall_time: float = 0.0
+    bounded: int = 0  # combinations left unscored: a lower bound of their time already above the rows found
     options: Mapping[str, Any] = field(default_factory=dict, repr=False)  # what plan() was given
 
     @property

@@ -84,6 +84,11 @@ def time_ops(log: OpLog, rates: Rates, start: int = 0, end: int | None = None) -
     return _sorted(timed)
 
 
+def op_counts(log: OpLog, start: int = 0) -> OpTimes:
+    """How many ops of ``log`` from row ``start`` on go to each of :class:`OpTimes`' parts (each op counted as one)."""
+    return _sorted((stage, kind, again, 1.0) for stage, kind, _dtype, again, _flops, _bytes in log.rows(start))
+
+
 def _sorted(timed: Iterable[tuple[int, int, bool, float]]) -> OpTimes:
     """(stage, kind, recomputed, seconds) of each op, summed by where its time goes."""
     compute = memory = recompute = optimizer = 0.0

@@ -16,6 +16,7 @@ them fit: every row shown is an exact estimate (``estimate(model, inputs, **row.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -136,6 +137,17 @@ class Planner:
         needed += states - a.model_states + sum(layout.buffers(True).values())
         return int(needed), step_time(ops, opts, a.trace, self.net)
 
+    def lazy(self, c: Choice) -> bool:
+        """Whether ``c``'s class is traced only when its turn comes (:meth:`bound`): checkpointing on one process or
+        data-parallel ranks, whose class without checkpointing is traced already."""
+        return bool(c.checkpointing) and c.tp == 1 and c.pp == 1
+
+    def bound(self, c: Choice) -> float:
+        """A lower bound of ``c``'s screened step time: the same combination's without checkpointing, whose trace's
+        ops the checkpointed trace holds too (checkpointing adds the blocks' forward in the backward, and the rest
+        of the step is the same)."""
+        return self.screen(replace(c, checkpointing=False))[1].total
+
     def scaled(self, c: Choice, a: _Anchor, share: float) -> OpTimes:
         """The anchor's ops timed at ``share`` of its micro-batch (once per trace class and micro-batch)."""
         key = (c.trace_class(), c.micro)
@@ -255,30 +267,53 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
 
 
 def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request: Request, t0: float) -> Plan:
+    """Screen, then estimate exactly the fastest that fit until ``top`` of them do. A checkpointed combination's class
+    is traced only when its turn comes: until then its time is bounded below by the same combination without
+    checkpointing (its trace's ops, and the checkpointed blocks' forward once more), and a class whose bound stays
+    above the rows found is never traced (``Plan.bounded``)."""
     target = planner.target
     capacity = target.capacity
     assert capacity is not None
-    scored: list[tuple[Choice, int, StepTime]] = []
+    scored: dict[Choice, tuple[int, StepTime]] = {}
+    order = {c: i for i, c in enumerate(space)}
+    queue: list[tuple[float, int, bool]] = []  # (time, place in space, screened): the fastest first
+    waiting: dict[Any, list[Choice]] = {}  # trace class -> its combinations not screened yet
+
+    def screened(c: Choice) -> None:
+        scored[c] = planner.screen(c)
+        if scored[c][0] <= capacity:
+            heapq.heappush(queue, (scored[c][1].total, order[c], True))
+
     for c in space:
-        needed, t = planner.screen(c)
-        scored.append((c, needed, t))
-    fitting = sorted((s for s in scored if s[1] <= capacity), key=lambda s: s[2].total)
+        if planner.lazy(c):
+            waiting.setdefault(c.trace_class(), []).append(c)
+            heapq.heappush(queue, (planner.bound(c), order[c], False))
+        else:
+            screened(c)
     rows: list[PlanRow] = []
     exact: dict[Choice, tuple[Any, StepTime]] = {}
-    for c, _needed, _t in fitting:  # the fastest the screen says fit, estimated exactly until enough do
-        if len(rows) >= top or len(exact) >= MAX_EXACT:
-            break
+    while queue and len(rows) < top and len(exact) < MAX_EXACT:  # the fastest the screen says fit, exactly
+        _, i, known = heapq.heappop(queue)
+        c = space[i]
+        if not known:  # its bound's turn: its class traced, and every combination of the class screened
+            for d in waiting.pop(c.trace_class(), []):
+                screened(d)
+            continue
         planner.say(f"estimating {describe(c, planner.base).name} exactly")
         est, t = planner.exact(c)
         exact[c] = (est, t)
         if est.fits:
             rows.append(_row(c, est, t, planner, tokens, request))
+    bounded = sum(len(v) for v in waiting.values())
     notes: list[str] = []
+    if bounded:
+        notes.append(f"{bounded} checkpointed combinations were left untraced: each one's step without checkpointing, "
+                     "which bounds its own from below, already screened slower than the rows chosen")
     if len(rows) < top:  # the screen can overstate what a combination needs (its anchor's peak may lie in another
         # phase than the combination's): the closest it ruled out, estimated exactly while too few rows fit
-        ruled_out = sorted((s for s in scored if s[1] > capacity), key=lambda s: s[1])
+        ruled_out = sorted(((c, n) for c, (n, _t) in scored.items() if n > capacity), key=lambda s: (s[1], order[s[0]]))
         found, limit = len(rows), min(MAX_EXACT, len(exact) + top // 2 + 1)
-        for c, _needed, _t in ruled_out:
+        for c, _needed in ruled_out:
             if len(rows) >= top or len(exact) >= limit:
                 break
             planner.say(f"estimating {describe(c, planner.base).name} exactly")
@@ -290,7 +325,7 @@ def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request:
                          "they were estimated exactly as the closest it ruled out")
     rows.sort(key=lambda r: r.step_time)
     if not rows:  # nothing fits: the closest by the screen, estimated exactly
-        for c, _needed, _t in sorted(scored, key=lambda s: s[1])[:top]:
+        for c, _n in sorted(((c, n) for c, (n, _t) in scored.items()), key=lambda s: (s[1], order[s[0]]))[:top]:
             if c not in exact:
                 planner.say(f"estimating {describe(c, planner.base).name} exactly")
                 exact[c] = planner.exact(c)
@@ -300,11 +335,11 @@ def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request:
     marks = {c: (est.needed, t.total) for c, (est, t) in exact.items()}
     screen = tuple(Scored(describe(c, planner.base).name, marks.get(c, (n, t.total))[0],
                           marks.get(c, (n, t.total))[1], marks.get(c, (n, t.total))[0] <= capacity, c in marks)
-                   for c, n, t in scored)
+                   for c, (n, t) in sorted(scored.items(), key=lambda kv: order[kv[0]]))
     gpu = target.gpu
     return Plan(model=request.name, device=planner.base.device, gpu=gpu.name if gpu is not None else None,
                 gpus=planner.gpus, capacity=capacity, global_batch=space[0].global_batch if space else 0,
-                unit="tokens/s" if tokens else "samples/s", rows=tuple(rows), scored=screen,
+                unit="tokens/s" if tokens else "samples/s", rows=tuple(rows), scored=screen, bounded=bounded,
                 assumptions=_assumptions(planner), notes=tuple(notes), traced=planner.workload.traced,
                 wall_time=time.perf_counter() - t0)
 

@@ -35,8 +35,9 @@ def rate(x: float) -> str:
 
 def heading(p: Plan) -> str:
     where = f"{p.gpus} × {p.gpu}" if p.gpu else p.device
-    return (f"%vram_plan {p.model} · {where} · global batch {p.global_batch} · {len(p.scored)} combinations scored "
-            f"({p.traced} fake runs) in {p.wall_time:.1f} s")
+    bounded = f", {p.bounded} bounded untraced" if p.bounded else ""
+    return (f"%vram_plan {p.model} · {where} · global batch {p.global_batch} · {len(p.scored)} combinations scored"
+            f"{bounded} ({p.traced} fake runs) in {p.wall_time:.1f} s")
 
 
 def _parts(r: PlanRow) -> str:

@@ -9,6 +9,10 @@ the state's storages are allocated under the tracer as the step allocates them, 
 its stand-in gradients, were freed before the second step, whose peak is the steady state's (the second step holds
 the full state and every gradient, so its update's peak is at least the first's).
 
+On the CPU only, where memory is the bytes alive: for CUDA the simulated caching allocator places each block by the
+history before it, and state made up front leaves other segments (less reserved memory: 0.9 GiB less for a Llama-3-8B
+step under ZeRO-3) than state made inside the update, between its temporaries, as a real first step makes it.
+
 Only state that can be remade exactly is kept: plain strided tensors, each on a storage of its own that it fills
 from offset 0, and values that are numbers, strings, ``None`` or tuples of them. Any other state (a storage shared
 between parameters, a view, an object) runs the real step every time.

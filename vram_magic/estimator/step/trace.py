@@ -305,9 +305,11 @@ class _FakeStep:
         del out, loss  # as a loop that ends each step with `del out, loss` (or returns) does
 
     def _state_key(self) -> Any:
-        """What decides the state the first step leaves (first_step.state_key); None for a rank of a tensor- or
-        pipeline-parallel job, whose parameters are shards: its first step always runs."""
-        if self.parallel is not None:
+        """What decides the state the first step leaves (first_step.state_key); None where the first step always
+        runs: for CUDA, whose simulated caching allocator places each block by the order of everything allocated before
+        it (state made inside the update, between its temporaries, leaves other segments than state made up front),
+        and for a rank of a tensor- or pipeline-parallel job, whose parameters are shards."""
+        if self.parallel is not None or self.opts.device != "cpu":
             return None
         return state_key(self.opts.optimizer, self.opts.device, bool(self.masters), self.masters or self.trainable)
 
