@@ -209,6 +209,10 @@ def test_checkpointed_classes_are_traced_only_when_their_bound_comes_up(monkeypa
     assert plan.bounded > 0 and len(plan.scored) + plan.bounded == 36
     assert plan.traced < every.traced
     assert any("left untraced" in n for n in plan.notes) and f"{plan.bounded} bounded untraced" in str(plan)
+    assert f"{plan.bounded} more bounded untraced" in plan.figure().axes[0].get_title()
+    from vram_magic.estimator.plan_cli import as_json
+
+    assert as_json(plan)["bounded"] == plan.bounded and as_json(plan)["scored"] == len(plan.scored)
     checkpointed = [c for c in screens if c.checkpointing]
     assert len(checkpointed) == 24
     for c in checkpointed:  # each one's screened time at least its bound, the same combination's without it

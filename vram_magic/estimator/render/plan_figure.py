@@ -35,7 +35,8 @@ def plan_figure(p: Plan) -> Any:
     ax.set_xscale("log")
     ax.set_xlabel("step time (s, predicted)")
     ax.set_ylabel("memory needed per GPU (GiB)")
-    ax.set_title(f"{p.model}: memory against time, {len(p.scored)} combinations", fontsize=10)
+    bounded = f" ({p.bounded} more bounded untraced)" if p.bounded else ""
+    ax.set_title(f"{p.model}: memory against time, {len(p.scored)} combinations{bounded}", fontsize=10)
     ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     plt.close(fig)
