@@ -88,6 +88,11 @@ def test_master_weights_and_lora_are_remade_exactly():
     x = torch.randn(16, 64)
     reused, alone, real = _pair(mlp(), x, {"dtype": "bf16"}, {"dtype": "bf16", "checkpointing": True})
     assert real == 0 and reused.peak == alone.peak and reused.needed == alone.needed
+    masters = {"dtype": "bf16", "master_weights": True}
+    reused, alone, real = _pair(mlp(), x, masters, {**masters, "accumulate": 2})
+    assert real == 0 and reused.peak == alone.peak and reused.needed == alone.needed
+    detail = {(cat, label): n for cat, label, n in reused.peak.detail}
+    assert detail[("optimizer_state", "fp32 master weights")] == 4 * 33_866  # the fp32 copy the update works on
     reused, alone, real = _pair(mlp(), x, {"lora": 4}, {"lora": 4, "accumulate": 4})
     assert real == 0 and reused.peak == alone.peak and reused.needed == alone.needed
 
