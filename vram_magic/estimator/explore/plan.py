@@ -7,11 +7,13 @@ state on the host — plus mixed precision (bf16 autocast, or fp16 with loss sca
 its rows mark as changing the numerics; LoRA and QLoRA, another optimizer and a smaller global batch only when
 ``allow`` names them.
 
-Screen, then exact: each *trace class* (what changes the fake run: checkpointing, precision, adapters, the optimizer)
-is traced at its two smallest micro-batches; every combination is scored from them — memory and time interpolated
-in the micro-batch, the layout's share computed (``layouts/``), the collectives and transfers from their formulas
-(``cost.py``). The fastest that the screen says fit are then estimated exactly, one after another, until ``top`` of
-them fit: every row shown is an exact estimate (``estimate(model, inputs, **row.options)``).
+Screen, then exact: each *trace class* (what changes the fake run: checkpointing, precision, adapters, the optimizer,
+the tensor and pipeline degrees) is traced once, at the whole per-rank batch (its *anchor*); every combination is
+scored from it — memory and time scaled to the micro-batch, the layout's share computed (``layouts/``), the
+collectives and transfers from their formulas (``cost.py``). The fastest that the screen says fit are then estimated
+exactly, one after another, until ``top`` of them fit: every row shown is an exact estimate
+(``estimate(model, inputs, **row.options)``). A checkpointed class is traced only when its lower bound (the same
+combination without checkpointing) comes up before then (``Plan.bounded`` counts the combinations left untraced).
 """
 
 from __future__ import annotations
