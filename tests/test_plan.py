@@ -391,3 +391,15 @@ def test_a_plan_of_a_dict_batch_writes_code_for_a_dict():
     assert accumulated, [r.name for r in plan.rows]
     for r in accumulated:
         assert any("for k, v in batch.items()" in c and "model(**micro)" in c for c in r.code), r.code
+
+
+def test_combinations_left_when_the_exact_estimates_run_out_are_said_so(monkeypatch):
+    """With room for one exact estimate, the checkpointed classes are left for want of it, not because they are
+    slower, and the note says so."""
+    from vram_magic.estimator.explore import plan as planning
+
+    monkeypatch.setattr(planning, "MAX_EXACT", 1)
+    plan = vram_magic.plan(mlp(), torch.randn(64, 256), device="cpu", budget="1GiB", top=3)
+    assert len(plan.rows) == 1 and plan.bounded > 0
+    assert any("1 exact estimates a plan makes at most were made first" in n for n in plan.notes)
+    assert not any("already screened slower" in n for n in plan.notes)

@@ -308,9 +308,12 @@ def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request:
             rows.append(_row(c, est, t, planner, tokens, request))
     bounded = sum(len(v) for v in waiting.values())
     notes: list[str] = []
-    if bounded:
+    if bounded and len(rows) >= top:
         notes.append(f"{bounded} checkpointed combinations were left untraced: each one's step without checkpointing, "
                      "which bounds its own from below, already screened slower than the rows chosen")
+    elif bounded:
+        notes.append(f"{bounded} checkpointed combinations were left untraced: the {MAX_EXACT} exact estimates a plan "
+                     "makes at most were made first")
     if len(rows) < top:  # the screen can overstate what a combination needs (its anchor's peak may lie in another
         # phase than the combination's): the closest it ruled out, estimated exactly while too few rows fit
         ruled_out = sorted(((c, n) for c, (n, _t) in scored.items() if n > capacity), key=lambda s: (s[1], order[s[0]]))
