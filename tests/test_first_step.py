@@ -4,6 +4,8 @@ frozen parameters; state that cannot be remade exactly runs the real step."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -24,12 +26,9 @@ def _options(optimizer, **kwargs):
     return make_options(optimizer=optimizer, device="cpu", **kwargs).with_(batch=batch)
 
 
-def _pair(model, x, first: dict, second: dict, optimizer="adamw"):
-    """``(estimate of `second` after a fake run of `first` in the same workload, estimate of `second` alone)``; the
-    number of first steps remade in the first."""
-    target = make_target(None, "1GiB")
-    shared = StepWorkload(Request(model, x), target)
-    shared.evaluate(_options(optimizer, **first))
+@contextlib.contextmanager
+def _real_first_steps():
+    """A list that gets one item for each first step run as a real update on stand-in gradients (not remade)."""
     calls = []
     real = first_step._stand_in_step
 
@@ -39,9 +38,19 @@ def _pair(model, x, first: dict, second: dict, optimizer="adamw"):
 
     first_step._stand_in_step = counting
     try:
-        reused = shared.evaluate(_options(optimizer, **second))
+        yield calls
     finally:
         first_step._stand_in_step = real
+
+
+def _pair(model, x, first: dict, second: dict, optimizer="adamw"):
+    """``(estimate of `second` after a fake run of `first` in the same workload, estimate of `second` alone)``; the
+    number of first steps the second ran as a real update (0 where it remade the state the first left)."""
+    target = make_target(None, "1GiB")
+    shared = StepWorkload(Request(model, x), target)
+    shared.evaluate(_options(optimizer, **first))
+    with _real_first_steps() as calls:
+        reused = shared.evaluate(_options(optimizer, **second))
     alone = StepWorkload(Request(model, x), target).evaluate(_options(optimizer, **second))
     return reused, alone, len(calls)
 
@@ -128,16 +137,6 @@ def test_cuda_estimates_always_run_the_first_step():
     target = make_target("A100-80GB")
     shared = StepWorkload(Request(model, x), target)
     shared.evaluate(make_options(optimizer="adamw", device="cuda"))
-    calls = []
-    real = first_step._stand_in_step
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    first_step._stand_in_step = counting
-    try:
+    with _real_first_steps() as calls:
         shared.evaluate(make_options(optimizer="adamw", device="cuda", checkpointing=True))
-    finally:
-        first_step._stand_in_step = real
     assert calls == [1]

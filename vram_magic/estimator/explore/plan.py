@@ -95,6 +95,7 @@ class Planner:
         self.rates = rates_for(base.device, target.gpu)
         self.anchors: dict[Any, _Anchor] = {}
         self.timed: dict[Any, OpTimes] = {}
+        self.screens: dict[Choice, tuple[int, StepTime]] = {}
 
     def say(self, text: str) -> None:
         if self.progress is not None:
@@ -120,7 +121,13 @@ class Planner:
     def screen(self, c: Choice) -> tuple[int, StepTime]:
         """``(needed, time)`` of ``c`` from its class's anchor: the activations and the ops' times scaled to the
         micro-batch (accumulation keeping every gradient alive into the next micro-batch), the layout's share of the
-        model states and its buffers computed."""
+        model states and its buffers computed. Once per combination (a checkpointed one's :meth:`bound` is its
+        sibling's screen)."""
+        if c not in self.screens:
+            self.screens[c] = self._screen(c)
+        return self.screens[c]
+
+    def _screen(self, c: Choice) -> tuple[int, StepTime]:
         if c.tp > 1 or c.pp > 1:
             try:
                 a = self.anchor(c)

@@ -42,25 +42,25 @@ def state_key(optimizer_spec: Any, device: str, master_weights: bool, updated: l
     return (optimizer_spec, device, master_weights, tuple((tuple(p.shape), p.dtype) for p in updated))
 
 
-def run_first_step(optimizer: Any, trainable: list[nn.Parameter], tracer: StepTracer,
-                   claim: Callable[..., int | None], host_scalars: set[int],
-                   states: dict[Hashable, Layout] | None, key: Hashable | None) -> None:
+def run_first_step(updater: Any, optimizer: torch.optim.Optimizer, updated: list[nn.Parameter],
+                   trainable: list[nn.Parameter], tracer: StepTracer, claim: Callable[..., int | None],
+                   host_scalars: set[int], states: dict[Hashable, Layout] | None, key: Hashable | None) -> None:
     """The first step: the state made from ``states[key]`` where a first step of this key left one that can be
-    remade, else a real update on stand-in gradients (its state kept in ``states`` for the next fake run)."""
-    opt = optimizer.optimizer if hasattr(optimizer, "masters") else optimizer
-    updated = list(optimizer.masters) if getattr(optimizer, "masters", None) else trainable
+    remade, else a real update by ``updater`` (the optimizer, or the step of fp32 master weights around it) on
+    stand-in gradients of ``trainable``, its state kept in ``states`` for the next fake run. ``updated``: the tensors
+    ``optimizer`` updates (the master weights, where there are any)."""
     layout = states.get(key) if states is not None and key is not None else None
     if layout is not None:
         tracer.stage = OPTIMIZER
         for p, entries in zip(updated, layout):
             if entries is not None:
-                opt.state[p] = {k: _remade(spec) for k, spec in entries}
-        claim_state(opt, claim, host_scalars)
+                optimizer.state[p] = {k: _remade(spec) for k, spec in entries}
+        claim_state(optimizer, claim, host_scalars)
         tracer.stage = ZERO_GRAD
         return
-    _stand_in_step(optimizer, trainable, tracer, claim, host_scalars)
+    _stand_in_step(updater, trainable, tracer, claim, host_scalars)
     if states is not None and key is not None:
-        made = state_layout(opt, updated)
+        made = state_layout(optimizer, updated)
         if made is not None:
             states[key] = made
 

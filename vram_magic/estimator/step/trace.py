@@ -242,8 +242,9 @@ class _FakeStep:
                     if opts.inference:
                         self._forward(last)
                     elif step == 0 and steps > 1 and not scripted:
-                        run_first_step(self.updater, self.trainable, tracer, self.claim, self.host_scalars,
-                                       self.states, self._state_key())
+                        assert self.optimizer is not None
+                        run_first_step(self.updater, self.optimizer, self.masters or self.trainable, self.trainable,
+                                       tracer, self.claim, self.host_scalars, self.states, self._state_key())
                     else:
                         self._train_step(last)
                 tracer.stage = SETUP
