@@ -3,7 +3,7 @@ fake run carried before (a transformers GPT-2 and a Llama, small configurations,
 
     python benchmarks/autocast_cuda.py
 
-Each row is one estimate made twice: with ``vram_magic.estimator.target.autocast`` (CUDA's op lists, the default)
+Each row is one estimate made twice: with ``vram_magic.estimator.device.autocast`` (CUDA's op lists, the default)
 and with the CPU's lists (its ``cuda_autocast`` hook switched off), with the categories whose bytes differ.
 """
 

@@ -7,7 +7,7 @@
 Every PyTorch build registers CUDA's autocast kernels (``AutocastCUDA``), CPU builds too, and fake tensors can say
 they are on ``cuda:0`` without a GPU: one side runs each case on fake CUDA tensors under CUDA's autocast, through
 PyTorch's own C++ kernels; the other runs it on fake CPU tensors under ``torch.autocast("cpu")`` with
-``vram_magic.estimator.target.autocast.CudaAutocast`` registered (and, for SDPA, the CUDA attention model on a T4,
+``vram_magic.estimator.device.autocast.CudaAutocast`` registered (and, for SDPA, the CUDA attention model on a T4,
 whose math kernel is what the fake CUDA dispatcher picks without a GPU; elsewhere the composites as PyTorch writes
 them: the attention model's fused RMSNorm is another comparison). Each side records the ATen ops that reach
 the fake tensors, with their inputs' and outputs' dtypes; the rows must be the same. No autograd on the CUDA side
@@ -119,8 +119,8 @@ def side(which: str, dtype_names: list[str]) -> dict[str, dict[str, list[str]]]:
         torch.set_autocast_enabled("cuda", True)
     else:
         sys.path.insert(0, ROOT)
-        from vram_magic.estimator.target.attention import CudaAttention, CudaKernelMode
-        from vram_magic.estimator.target.autocast import CudaAutocast, CudaAutocastMode
+        from vram_magic.estimator.device.autocast import CudaAutocast, CudaAutocastMode
+        from vram_magic.estimator.device.sdpa import CudaAttention, CudaKernelMode
 
         autocast = stack.enter_context(CudaAutocast())
 

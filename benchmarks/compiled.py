@@ -3,7 +3,8 @@ against PyTorch's profiler of the same step unmeasured.
 
     python benchmarks/compiled.py
 
-For each model of ``zoo.py`` named below, one process: build, ``torch.compile`` (inductor), two warm-up steps,
+For each model of ``tests/support/zoo.py`` named below, one process: build, ``torch.compile`` (inductor), two warm-up
+steps,
 then the same step (forward, sum, backward, AdamW, zero_grad) (1) under the profiler alone, (2) in a
 ``%%vram`` cell (auto: the allocator backend), (3) in a ``%%vram --backend tracker`` cell (the dispatch-level
 tracker, under which compiled code runs eagerly). Figures are the peak above what was alive before the step.
@@ -22,7 +23,8 @@ def one(name: str) -> None:
     import torch
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
-    from zoo import ZOO, profiled_cpu_peak, train_steps
+
+    from tests.support.zoo import ZOO, profiled_cpu_peak, train_steps
 
     torch.manual_seed(0)
     build, make_inputs = ZOO[name]
@@ -45,8 +47,7 @@ def one(name: str) -> None:
 
 
 def main() -> int:
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, here)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.support
     if len(sys.argv) == 3 and sys.argv[1] == "--one":
         one(sys.argv[2])
         return 0
@@ -56,7 +57,7 @@ def main() -> int:
     print(f"{'model':<20}{'profiler':>12}{'%%vram (auto)':>22}{'%%vram --backend tracker':>30}")
     for name in MODELS:
         done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", name], capture_output=True,
-                              text=True, cwd=here)
+                              text=True, cwd=os.path.dirname(os.path.abspath(__file__)))
         if done.returncode != 0:
             print(f"{name:<20} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
             continue

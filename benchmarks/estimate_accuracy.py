@@ -16,11 +16,10 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from zoo import ZOO, profiled_cpu_peak, train_steps  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.support
 
 import vram_magic  # noqa: E402
+from tests.support.zoo import ZOO, profiled_cpu_peak, train_steps  # noqa: E402
 
 TARGET = 2.0  # per cent
 

@@ -20,16 +20,18 @@ from collections.abc import Callable
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-
-from test_estimator_compiled import GPT, batch, small_convnet  # noqa: E402
-from test_estimator_compiled import images as conv_images  # noqa: E402
-from test_estimator_pointwise import PointwiseMLP  # noqa: E402
-from test_estimator_pointwise import batch as pointwise_batch  # noqa: E402
-from zoo import ZOO, real_peak  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.support
 
 import vram_magic  # noqa: E402
+from tests.support.models import (  # noqa: E402
+    GPT,
+    PointwiseMLP,  # noqa: E402
+    pointwise_batch,  # noqa: E402
+    small_convnet,
+)
+from tests.support.models import gpt_batch as batch  # noqa: E402
+from tests.support.models import images as conv_images  # noqa: E402
+from tests.support.zoo import ZOO, real_peak  # noqa: E402
 
 TARGET = 5.0  # per cent
 

@@ -14,7 +14,7 @@
    and H100: the longest prompt (batch 1) and the largest batch (2,048-token prompts) with 256 new tokens, by
    vram_magic and by the formulas of accelerate's ``estimate-memory``, gpu_poor and vLLM's KV budget
    (see the functions below for each one's formula and where it comes from).
-4. The CPU cases of ``generate_zoo.py`` against the profiler on real ``generate()`` runs.
+4. The CPU cases of ``tests/support/generate_zoo.py`` against the profiler on real ``generate()`` runs.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.support
 
 import vram_magic  # noqa: E402
-from vram_magic.estimator.target.gpus import find_gpu  # noqa: E402
-from vram_magic.units import format_bytes  # noqa: E402
+from vram_magic.core.units import format_bytes  # noqa: E402
+from vram_magic.estimator.device.gpus import find_gpu  # noqa: E402
 
 GiB, MiB = 1024**3, 1024**2
 NEW = 256
@@ -162,7 +162,7 @@ def gpu_poor(shape: str, quant: str | None, capacity: int) -> int:
 
 
 def vllm(shape: str, quant: str | None, capacity: int, prompt_len: int) -> tuple[int, int]:
-    """vLLM's KV budget (vllm/v1/worker/gpu_worker.py, v1/core/kv_cache_utils.py): available = 0.92 × total −
+    """vLLM's KV budget (vllm/v1/worker/gpu_worker.py, vllm/v1/core/kv_cache_utils.py): available = 0.92 × total −
     (weights + profiled peak activation + non-torch memory); tokens = blocks of 16 × (2·kv_heads·head_dim·2 bytes
     × layers) each. The activation and non-torch terms are measured by vLLM on the GPU: the published Llama-3.1-8B
     figures on an H100 (4.76 GiB, 0.13 GiB) stand in for every model here. Returns (longest prompt for one
@@ -214,7 +214,7 @@ def part3() -> None:
 
 
 def part4() -> None:
-    from generate_zoo import CASES, estimate_case, real_generate
+    from tests.support.generate_zoo import CASES, estimate_case, real_generate
 
     print("4. tiny models on the CPU: estimate vs the profiler's peak of the real generate()")
     print(f"   {'case':<52}{'real':>12}{'estimate':>12}{'error':>9}{'above base':>12}{'KV real':>11}{'KV est':>11}")
@@ -224,7 +224,7 @@ def part4() -> None:
         above = 100 * ((est.peak.total - real.base) - (real.peak - real.base)) / (real.peak - real.base)
         print(f"   {name:<52}{real.peak:>12,}{est.peak.total:>12,}{err:>+8.2f}%{above:>+11.2f}%"
               f"{real.kv_cache:>11,}{est.generation.kv_cache:>11,}", flush=True)
-    from generate_zoo import TupleGPT, real_tuple_generate
+    from tests.support.generate_zoo import TupleGPT, real_tuple_generate
 
     torch.manual_seed(0)
     model = TupleGPT().eval()

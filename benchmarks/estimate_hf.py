@@ -19,13 +19,11 @@ import warnings
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-
-from test_estimator_compiled import GPT  # noqa: E402
-from zoo import HF_ZOO, hf_gpt2, real_peak  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.support
 
 import vram_magic  # noqa: E402
+from tests.support.models import GPT  # noqa: E402
+from tests.support.zoo import HF_ZOO, hf_gpt2, real_peak  # noqa: E402
 
 TARGET, COMPILED_TARGET = 0.5, 5.0  # per cent
 MODES = {"training": {}, "inference": {"inference": True}, "checkpointing": {"checkpointing": True},

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zoo import profiled_cpu_peak, train_steps  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.support
+from tests.support.zoo import profiled_cpu_peak, train_steps  # noqa: E402
 
 WORLD = 2
 BATCH = 32

@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout: tests.support
 TARGETS = {"7B": 5.0, "13B": 10.0, "70B": 20.0}
 RSS_TARGET = 1024**3
 
@@ -32,11 +32,11 @@ def one(size: str, seq: int) -> dict[str, float]:
     import resource
     import time
 
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, ROOT)
     import torch
-    from llama import build
 
     import vram_magic
+    from tests.support.llama import build
 
     rss_torch = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     times = []

@@ -17,7 +17,7 @@ import time
 import torch
 
 import vram_magic
-from vram_magic.units import format_bytes
+from vram_magic.core.units import format_bytes
 
 
 def rows(config, prompt: int, new: int, alloc_conf: str | None = None) -> None:

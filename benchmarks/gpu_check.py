@@ -11,7 +11,7 @@
 2. **GPU tests**: only the ``cuda``-marked tests (``pytest -m cuda``), one table row per check they settle;
 3. **estimate vs CUDA**: ``vram_magic.estimate`` with the detected GPU's constants against
    ``max_memory_allocated`` and ``max_memory_reserved`` of the same two AdamW steps, per model of
-   ``benchmarks/zoo.py`` (one process each, target 5 %);
+   ``tests/support/zoo.py`` (one process each, target 5 %);
 4. **overhead** of a measured cell on a launch-bound model (a 2 x 256 MLP, batch 32, 200 AdamW steps in one
    cell: tiny ops, the worst case), both backends;
 5. **a compiled model** (inductor, warmed up) stepped in a ``%%vram`` cell: the allocator backend is chosen,
@@ -41,7 +41,6 @@ import time
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HERE = os.path.join(ROOT, "benchmarks")
 BUDGET_S = 7.5 * 60  # the whole run stays under 8 minutes: steps left when this is spent are skipped
 TARGET = 5.0  # % error of the estimate
 #: import name -> requirement, for what the engine, its magics and the tests import
@@ -183,12 +182,13 @@ def setup(args: argparse.Namespace, out: list[str]) -> tuple[Table, dict[str, st
 # --- 2. the cuda-marked tests ------------------------------------------------------------------------------
 def cuda_test_files() -> list[str]:
     files = []
-    for name in sorted(os.listdir(os.path.join(ROOT, "tests"))):
-        if name.startswith("test_") and name.endswith(".py"):
-            with open(os.path.join(ROOT, "tests", name), encoding="utf-8") as f:
-                text = f.read()
-            if "mark.cuda" in text or "needs a CUDA GPU" in text:
-                files.append(os.path.join("tests", name))
+    for folder, _, names in sorted(os.walk(os.path.join(ROOT, "tests"))):
+        for name in sorted(names):
+            if name.startswith("test_") and name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    text = f.read()
+                if "mark.cuda" in text or "needs a CUDA GPU" in text:
+                    files.append(os.path.relpath(os.path.join(folder, name), ROOT))
     return files
 
 
@@ -248,7 +248,7 @@ def gpu_tests(env: dict[str, str], out: list[str], timeout: float) -> Table:
 def detected_gpu():
     import torch
 
-    from vram_magic.estimator.target.gpus import GPU, find_gpu
+    from vram_magic.estimator.device.gpus import GPU, find_gpu
 
     name = torch.cuda.get_device_name(0)
     try:
@@ -260,11 +260,11 @@ def detected_gpu():
 
 def estimate_one(name: str, dry: bool) -> None:
     """One model in this (fresh) process: the real two steps first, then the estimate; prints a JSON line."""
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, ROOT)  # tests.support
     import torch
-    from zoo import ZOO, train_steps
 
     import vram_magic
+    from tests.support.zoo import ZOO, train_steps
 
     build, make_inputs = ZOO[name]
     real = reserved = None
@@ -288,8 +288,8 @@ def estimate_one(name: str, dry: bool) -> None:
 
 
 def estimate_vs_cuda(env: dict[str, str], out: list[str], dry: bool, deadline: float) -> Table:
-    sys.path.insert(0, HERE)
-    from zoo import ZOO
+    sys.path.insert(0, ROOT)  # tests.support
+    from tests.support.zoo import ZOO
 
     t = Table(f"estimate vs CUDA: max_memory_allocated / max_memory_reserved, AdamW, 2 steps (target ±{TARGET:g} %)",
               out)
@@ -375,7 +375,7 @@ def overhead(out: list[str], dry: bool) -> Table:
 COMPILED_CHILD = """
 import json, sys, torch
 sys.path.insert(0, {here!r})
-from zoo import ZOO, train_steps
+from tests.support.zoo import ZOO, train_steps
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.utils.capture import capture_output
 torch.manual_seed(0)
@@ -414,7 +414,7 @@ def compiled_model(out: list[str], dry: bool, deadline: float) -> Table:
         t.add("backend, recompiles, peak vs max_memory_allocated", "SKIP", "out of time")
         return t
     try:
-        done = run([sys.executable, "-c", COMPILED_CHILD.format(here=HERE, device="cpu" if dry else "cuda")],
+        done = run([sys.executable, "-c", COMPILED_CHILD.format(here=ROOT, device="cpu" if dry else "cuda")],
                    deadline - time.monotonic(), pythonpath_env())
     except subprocess.TimeoutExpired:
         t.add("backend, recompiles, peak vs max_memory_allocated", "FAIL", "timed out")
@@ -441,7 +441,7 @@ def compiled_model(out: list[str], dry: bool, deadline: float) -> Table:
 CUDNN_CHILD = """
 import json, sys, torch
 sys.path.insert(0, {here!r})
-from zoo import ZOO
+from tests.support.zoo import ZOO
 DEV = {device!r}
 torch.backends.cudnn.benchmark = {benchmark!r}
 shapes = {{}}  # (in, out, kernel, stride, padding, dilation, groups, input shape) -> model
@@ -494,7 +494,7 @@ def cudnn_workspace(out: list[str], dry: bool, deadline: float) -> Table:
     """What cuDNN takes beyond a convolution's tensors, per distinct convolution of the zoo's conv models: the
     figure the estimator models as a constant (``cuda_model.CUDNN_WORKSPACE``), to be set from these numbers."""
     sys.path.insert(0, ROOT)
-    from vram_magic.estimator.target.cuda import CUDNN_WORKSPACE
+    from vram_magic.estimator.device.cuda_model import CUDNN_WORKSPACE
 
     mib = 2**20
     t = Table(f"cuDNN workspace per convolution, beyond its tensors (modelled: {CUDNN_WORKSPACE / mib:g} MiB each)",
@@ -504,7 +504,7 @@ def cudnn_workspace(out: list[str], dry: bool, deadline: float) -> Table:
         if time.monotonic() > deadline - 30:
             t.add(label, "SKIP", "out of time")
             continue
-        code = CUDNN_CHILD.format(here=HERE, device="cpu" if dry else "cuda", benchmark=benchmark)
+        code = CUDNN_CHILD.format(here=ROOT, device="cpu" if dry else "cuda", benchmark=benchmark)
         try:
             done = run([sys.executable, "-c", code], min(deadline - time.monotonic(), 120), pythonpath_env())
         except subprocess.TimeoutExpired:
@@ -539,9 +539,9 @@ def plan_time_one(dry: bool) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import vram_magic
-    from vram_magic.estimator.explore.rates import gpu_rates
-    from vram_magic.estimator.explore.timing import micro_ops, network_for, step_time
-    from vram_magic.estimator.target.gpus import find_gpu
+    from vram_magic.estimator.device.gpus import find_gpu
+    from vram_magic.estimator.timing.rates import gpu_rates
+    from vram_magic.estimator.timing.step_time import micro_ops, network_for, step_time
 
     layers, batch, seq, rounds = (2, 2, 64, 1) if dry else (6, 8, 1024, 10)
     # a dry run's vocabulary is small: bf16 matmuls on a CPU without AVX-512 run at a fraction of a GFLOP/s

@@ -1,4 +1,5 @@
-"""``measure()`` around real ``model.generate()`` calls (the reference cases of generate_zoo.py): the KV cache the
+"""``measure()`` around real ``model.generate()`` calls (the reference cases of tests/support/generate_zoo.py): the KV
+cache the
 block keeps against the bytes worked out by hand from the config, the peak's split, the tracker's peak against the
 profiler's (Δ B: the tracker's peak minus the profiler's, in bytes), the decode steps it counted, and what measuring
 costs (×time: generate() measured over unmeasured, one run each after a warm-up: a rough figure).
@@ -8,15 +9,17 @@ costs (×time: generate() measured over unmeasured, one run each after a warm-up
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import warnings
 
 import torch
-from generate_zoo import CASES, Case, real_generate
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.support
 import vram_magic
-from vram_magic.units import format_bytes
+from tests.support.generate_zoo import CASES, Case, real_generate
+from vram_magic.core.units import format_bytes
 
 F32, I64 = 4, 8
 

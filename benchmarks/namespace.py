@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from vram_magic.engine.attribution import scan_namespace
+from vram_magic.engine.scan.attribution import scan_namespace
 
 CASES = {
     "1,000,000 paths (str)": "paths = [f'/data/images/{i:07d}.jpg' for i in range(1_000_000)]",

@@ -256,7 +256,7 @@ def tracker_on_tiny_ops(steps: int = 200, rounds: int = 15) -> dict[str, float]:
 
 def _storage_counts() -> type | None:
     try:
-        from vram_magic.engine.counting import StorageCounts
+        from vram_magic.engine.tracker.counts import StorageCounts
     except ImportError:  # a version of the tracker before its counts were a part of their own
         return None
     return StorageCounts

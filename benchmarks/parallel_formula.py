@@ -15,9 +15,9 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.support
 
-import parallel_runs as pr  # noqa: E402
+from tests.support import parallel_runs as pr  # noqa: E402
 
 
 def megatron(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False) -> float:

@@ -1,7 +1,7 @@
 """The planner's time model on this CPU against real steps: six models × six plans (baseline, checkpointing, half
 micro-batch × 2 accumulation, bf16 autocast, SGD with momentum, half the batch), each plan's real training step on
 one thread beside the time the model predicts from the estimator's own trace of that configuration
-(``explore/timing.step_time(micro_ops(trace, rates), options, trace, network)``, the numbers a plan's rows carry).
+(``timing/step_time.step_time(micro_ops(trace, rates), options, trace, network)``, the numbers a plan's rows carry).
 Run::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_cpu.py [--rounds 7] [--models mlp,gpt2] [--markdown]
@@ -36,12 +36,12 @@ import torch
 from torch import nn
 
 import vram_magic
-from vram_magic.estimator.explore.rates import cpu_rates
-from vram_magic.estimator.explore.timing import micro_ops, network_for, step_time
+from vram_magic.estimator.fake.frameworks import enable_checkpointing
+from vram_magic.estimator.step.optimizers import make_optimizer
 from vram_magic.estimator.step.trace import checkpoint_units
-from vram_magic.estimator.target.cpu import cpu_profile
-from vram_magic.estimator.tracing.frameworks import enable_checkpointing
-from vram_magic.estimator.tracing.optimizers import make_optimizer
+from vram_magic.estimator.timing.cpu_profile import cpu_profile
+from vram_magic.estimator.timing.rates import cpu_rates
+from vram_magic.estimator.timing.step_time import micro_ops, network_for, step_time
 
 TARGET_MEDIAN, TARGET_WORST, TARGET_RHO, TARGET_CALIBRATED = 0.15, 0.35, 0.8, 0.25
 

@@ -1,7 +1,7 @@
 """The planner's time model beside published GPU measurements: each configuration's setup as its source states it,
 built as a transformers model from a config (nothing real is allocated: the estimator traces it on fake tensors),
 estimated with the same options (``vram_magic.estimate``) and timed by the planner's own functions
-(``explore/timing.step_time(micro_ops(trace, rates), options, trace, network)``, the numbers a plan's rows carry).
+(``timing/step_time.step_time(micro_ops(trace, rates), options, trace, network)``, the numbers a plan's rows carry).
 Nothing here ran on a GPU: the published figure is the measurement. Run::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_published.py [--markdown] [--only tt-h100,bert]
@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 import vram_magic
-from vram_magic.estimator.explore.cost import StepTime, time_ops
-from vram_magic.estimator.explore.rates import gpu_rates
-from vram_magic.estimator.explore.timing import micro_ops, network_for, step_time
-from vram_magic.estimator.target.gpus import GPU, find_gpu
+from vram_magic.estimator.device.gpus import GPU, find_gpu
+from vram_magic.estimator.timing.cost import StepTime, time_ops
+from vram_magic.estimator.timing.rates import gpu_rates
+from vram_magic.estimator.timing.step_time import micro_ops, network_for, step_time
 from vram_magic.estimator.tracing.oplog import ATTENTION, MATMUL, OpLog
 
 GiB = 1024**3

@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.support
 
-import parallel_runs as pr  # noqa: E402
+from tests.support import parallel_runs as pr  # noqa: E402
 
 Estimate = Callable[[pr.Case, int, int], "Mapping[str, int] | None"]
 SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",

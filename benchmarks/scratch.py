@@ -2,20 +2,23 @@
 
     python benchmarks/scratch.py [--threads N] [--find]
 
-For a torch.ao int8 MLP's forward and one AdamW training step of each model of ``zoo.py`` (after a first step,
+For a torch.ao int8 MLP's forward and one AdamW training step of each model of ``tests/support/zoo.py`` (after a first
+step,
 so optimizer state exists): the peak above what was alive before, from PyTorch's profiler on the same step
 unmeasured, from ``vram_magic.measure()`` (the tracker, default) and from ``measure(backend="allocator")``, and the
 measured step's wall time over the unmeasured one's (median of three pairs).
 
 ``--find`` lists, instead, the ops whose CPU kernels allocate inside themselves in those runs (every op timed
-under a dispatch mode against the profiler's memory events): how ``vram_magic/engine/scratch_ops.py`` was made.
+under a dispatch mode against the profiler's memory events): how ``vram_magic/engine/tracker/scratch_ops.py`` was made.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import os
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -24,9 +27,10 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
-from zoo import ZOO, profiled_cpu_peak, train_steps
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.support
 import vram_magic
+from tests.support.zoo import ZOO, profiled_cpu_peak, train_steps
 
 
 def _int8() -> tuple[Callable[[], None], dict]:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # CI notebook stage: the tutorial notebooks
 #   1. execute headless with ipywidgets 7.7 (what Colab ships) in the kernel: every %%vram and %vram_estimate output
-#      must be the static report (tests/test_notebooks.py, the same test the main suite runs with 8.x), and the live
-#      view and %vram watch must work in a real kernel (tests/test_live_kernel.py);
+#      must be the static report (tests/notebook/test_notebooks.py, the same test the main suite runs with 8.x), and the live
+#      view and %vram watch must work in a real kernel (tests/session/test_live_kernel.py);
 #   2. execute with the project's own environment, convert to HTML, plainly and with --sanitize-html, and open the
 #      pages in headless chromium with every non-local request blocked: every report must be there, its bars drawn
 #      to size (plain) or as coloured text bars (sanitized), with no escaped markup. Screenshots go to
@@ -55,7 +55,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # --- 1. ipywidgets 7.7 ---------------------------------------------------------------------------------------
 step "notebooks with ipywidgets $(PYTHONPATH=$IPYW7 "$PYTHON" -c 'import ipywidgets; print(ipywidgets.__version__)') (in the background, log in ${ART#"$ROOT"/}/ipywidgets7.log)"
 PYTHONPATH=$IPYW7${PYTHONPATH:+:$PYTHONPATH} VRAM_EXPECT_IPYWIDGETS=7 VRAM_NOTEBOOKS_OUT=$ART/executed-ipywidgets7 \
-    "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_notebooks.py tests/test_live_kernel.py \
+    "$PYTHON" -m pytest -q -p no:cacheprovider tests/notebook/test_notebooks.py tests/session/test_live_kernel.py \
     -k "not test_notebook_executes or 01_what_fills or 02_measuring or live" \
     >"$ART/ipywidgets7.log" 2>&1 &
 IPYW7_TEST=$!

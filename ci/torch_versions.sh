@@ -52,13 +52,13 @@ run_on() {  # name version
     # tests marked slow (kernels, compiled code: torch.compile's estimates need 2.9 and skip there) are left
     # out; on the newest everything else runs but the Hugging Face accuracy zoo, which the pinned run covers
     # (the same fake-tensor and compiled paths are run by the estimator's own tests here)
-    local select=(--ignore=tests/test_notebooks.py)
+    local select=(--ignore=tests/notebook/test_notebooks.py)
     # The newest runs in two processes as the main suite does (scripts/test.sh); the floor in one (on 2.5.1 each
     # process's end takes minutes of garbage collection, which VRAM_TESTS_EXIT_AFTER_REPORT skips for one process)
     if [ "$name" = floor ]; then
         select+=(-m "not slow")
     else
-        select+=(--ignore=tests/test_hf_models.py -n 2 --dist loadfile)
+        select+=(--ignore=tests/estimator/test_hf_models.py -n 2 --dist loadfile)
     fi
     # (VRAM_TESTS_EXIT_AFTER_REPORT: the process ends once pytest has reported; tests/conftest.py says why)
     OMP_NUM_THREADS=$([ "$name" = floor ] && echo "$OMP_NUM_THREADS" || echo 1) \

@@ -103,8 +103,8 @@ def pytest_configure(config: Any) -> None:  # the plugin's entry: wrap the publi
     import vram_magic.estimator as est_pkg
 
     _wrap(est_pkg, "estimate", "estimate")
-    for module_name, name in (("vram_magic.estimator.arguments", "estimate_with_batch"),
-                              ("vram_magic.estimator", "plan"), ("vram_magic.estimator.explore.plan", "plan")):
+    for module_name, name in (("vram_magic.estimator.cli.arguments", "estimate_with_batch"),
+                              ("vram_magic.estimator", "plan"), ("vram_magic.estimator.plan.planner", "plan")):
         try:
             module = __import__(module_name, fromlist=["_"])
         except ImportError:

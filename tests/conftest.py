@@ -8,9 +8,7 @@ import sys
 import pytest
 import torch
 
-# The reference runs tests compare with (profiled_cpu_peak, train_steps, real_peak) live beside the benchmarks
-# that print the same comparisons: `from zoo import ...`. Appended, so that nothing there shadows an installed module.
-sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from tests.support import TORCH_BEFORE_2_6
 
 
 @pytest.fixture
@@ -29,20 +27,6 @@ def shell():
     atexit.unregister(sh.atexit_operations)
     sh.history_manager.end_session()
     gc.collect()
-
-
-def run(sh, source: str):
-    """Run a cell like a notebook does; return the ExecutionResult."""
-    return sh.run_cell(source, store_history=True)
-
-
-def run_ok(sh, source: str):
-    result = run(sh, source)
-    if result.error_before_exec is not None:
-        raise result.error_before_exec
-    if result.error_in_exec is not None:
-        raise result.error_in_exec
-    return result
 
 
 @pytest.fixture(autouse=True)
@@ -66,27 +50,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-TORCH_BEFORE_2_6 = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6)
 #: What the torch floor (2.5.1) does not run yet, and why; each is a known gap on that release (README's limits)
 _FLOOR_SKIPS = {
-    "tests/test_estimate_parallel": "tensor/pipeline-parallel estimates build c10d's ProcessGroup as 2.6 on does",
-    "tests/test_ranks_tp_pp.py::test_one_f_one_b_holds_fewer_micro_batches_than_gpipe": "2.5.1's 1F1B on gloo",
-    "tests/test_cuda_autocast.py": "CUDA's autocast lists were read for 2.13 and 2.15",
-    "tests/test_cuda_attention_autocast.py": "transformers 5's Llama needs 2.6",
-    "tests/test_cuda_attention.py::test_dropout_and_rms_norm_keep_what_cuda_keeps": "2.5.1 has no fused rms_norm op",
-    "tests/test_estimate_inputs.py::test_a_builder_that_raises_is_named_for_a_step_and_for_generate": "generate= "
+    "tests/estimator/parallel/": "tensor/pipeline-parallel estimates build c10d's ProcessGroup as 2.6 on does",
+    "tests/ranks/test_tp_pp.py::test_one_f_one_b_holds_fewer_micro_batches_than_gpipe": "2.5.1's 1F1B on gloo",
+    "tests/estimator/device/test_autocast.py": "CUDA's autocast lists were read for 2.13 and 2.15",
+    "tests/estimator/device/test_sdpa_autocast.py": "transformers 5's Llama needs 2.6",
+    "tests/estimator/device/test_sdpa.py::test_dropout_and_rms_norm_keep_what_cuda_keeps":
+        "2.5.1 has no fused rms_norm op",
+    "tests/estimator/test_inputs.py::test_a_builder_that_raises_is_named_for_a_step_and_for_generate": "generate= "
     "needs transformers 5",
-    "tests/test_stderr_filter.py::test_without_the_filter_the_line_reaches_the_user": "2.5.1's profiler prints "
+    "tests/engine/test_stderr_filter.py::test_without_the_filter_the_line_reaches_the_user": "2.5.1's profiler prints "
     "no unknown-block line in this case",
 }
-
-
-def skip_module_without_transformers_5() -> None:
-    """Skip the calling test module on a PyTorch older than 2.6, where transformers 5 refuses to build its models
-    (the CI's torch-floor stage), saying so; and where transformers is not installed."""
-    if TORCH_BEFORE_2_6:
-        pytest.skip("transformers 5 needs PyTorch 2.6 or later", allow_module_level=True)
-    pytest.importorskip("transformers")
 
 
 _EXIT_STATUS: list[int] = []

@@ -7,6 +7,7 @@ folder never share a name prefix (they are a folder); no module but a package's 
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,7 +30,7 @@ KNOWN_RENDER_CIRCLES = {
     frozenset({"vram_magic.ranks.render", "vram_magic.ranks.result"}),
 }
 # a result's text, HTML, plot and snapshot file come from its renderer, imported when the result is shown or saved
-# (``_text`` and ``_html`` are what a result gives vram_magic.rendered.Rendered)
+# (``_text`` and ``_html`` are what a result gives vram_magic.core.rendered.Rendered)
 RENDER_METHODS = {"__str__", "__repr__", "_repr_html_", "_repr_mimebundle_", "_repr_pretty_", "_text", "_html",
                   "timeline", "figure", "save_snapshot"}
 
@@ -186,11 +187,11 @@ def test_known_offenders_only_shrink() -> None:
 
 
 def test_no_circle_counting_render_methods_type_only_imports_aside() -> None:
-    # the report and its renderers: render/*.py take Breakdown and CATEGORIES from breakdown.py and name CellReport
+    # the report and its renderers: render/*.py take Breakdown and CATEGORIES from core/breakdown.py and name CellReport
     # only for annotations, so report -> render (its render methods) -> report is no circle
     edges = graph(render_methods_count=True)
-    assert "vram_magic.render.timeline" in edges["vram_magic.report"]
-    assert "vram_magic.report" not in edges.get("vram_magic.render.text", ())
+    assert "vram_magic.measure.render.timeline" in edges["vram_magic.measure.report"]
+    assert "vram_magic.measure.report" not in edges.get("vram_magic.measure.render.text", ())
     assert_only_known(map(frozenset, cycles(edges)), KNOWN_RENDER_CIRCLES, "import circles")
 
 
@@ -209,7 +210,7 @@ def test_classes_stay_small() -> None:
 
 def prefix_folders(paths: Iterable[Path]) -> list[str]:
     """``folder/prefix*`` where :data:`PREFIX_FILES` or more modules of a folder share the part of their names
-    before the first underscore (``generate.py``, ``generate_cache.py``, ``generate_loop.py``)."""
+    before the first underscore (``generate``, ``generate_cache``, ``generate_loop``)."""
     groups: dict[tuple[str, str], list[str]] = defaultdict(list)
     for p in paths:
         if p.name != "__init__.py":
@@ -254,3 +255,162 @@ def test_no_module_only_reexports_another_s_names() -> None:
     assert not only_reexports('"""Only a docstring."""\n')
     found = [m for m, p in MODULES.items() if p.name != "__init__.py" and only_reexports(p.read_text())]
     assert_only_known(found, KNOWN_REEXPORTS, "modules that only re-export another's names")
+
+
+# --- the map of the house: folders introduced by their __init__, paths named that exist ------------------------------
+FEATURES = ("measure", "session", "render", "estimator", "magics", "ranks", "lab")
+
+
+def test_the_engine_imports_no_feature_and_the_core_no_torch() -> None:
+    edges = graph(render_methods_count=True)
+    engine_up = sorted((m, t) for m, ts in edges.items() if m.startswith("vram_magic.engine")
+                       for t in ts if t.split(".")[1] in FEATURES)
+    assert engine_up == []
+    for module in (m for m in MODULES if m.startswith("vram_magic.core")):
+        tree = ast.parse(MODULES[module].read_text())
+        imported = {t for t, _, _ in imports(module)} | {a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+                                                         for a in n.names}
+        imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+        outside = sorted(t for t in imported if t.split(".")[0] == "torch"
+                         or (t.startswith("vram_magic") and not t.startswith("vram_magic.core")))
+        assert outside == [], (module, outside)
+
+
+def introduction(path: Path) -> str:
+    return ast.get_docstring(ast.parse(path.read_text())) or ""
+
+
+def test_every_folder_is_introduced_by_its_init() -> None:
+    """A package's ``__init__`` says what its folder holds, in more words than its own name."""
+    thin = sorted(str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("__init__.py")
+                  if "labextension" not in p.parts and len(introduction(p).split()) < 12)
+    assert thin == []
+
+
+#: names of files that a docstring or doc mentions but that are not this checkout's: others' code, by a path
+#: under its own package (``torch/...``, ``transformers/...``), and files a user or a test writes
+EXTERNAL_ROOTS = ("torch/", "transformers/", "IPython/", "ipykernel/", "bitsandbytes/", "torchao/", "peft/",
+                  "diffusers/", "torchtitan/", "torchtune/", "megatron/", "jupyter_server/", "jupyter_resource_usage/",
+                  "jupyterlab_nvdashboard/", "line_profiler/", "accelerate/", "deepspeed/", "vllm/", "c10/", "aten/",
+                  "test/", "src/")
+WRITTEN_BY_USERS = {"script.py", "train.py", "fsdp_job.py", "tp_pp_job.py", "tp_pp_models.py", "rankjob.py",
+                    "sitecustomize.py", "setup.py"}
+MENTION = re.compile(r"(?<![\w./-])((?:[\w.-]+/)*[\w-]+\.py)\b")
+CHECKOUT = PACKAGE.parent
+
+
+def _checkout_files() -> list[str]:
+    return [p.relative_to(CHECKOUT).as_posix() for top in ("vram_magic", "tests", "benchmarks", "scripts", "ci", "docs")
+            for p in (CHECKOUT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+
+
+def named_paths(text: str) -> list[tuple[int, str]]:
+    return [(i, m.group(1)) for i, line in enumerate(text.splitlines(), 1) for m in MENTION.finditer(line)]
+
+
+def prose(path: Path) -> str:
+    """What a reader reads in a file: a module's docstrings and comments, a document's text outside its code blocks,
+    a notebook's markdown cells (code that names a file it writes is code, not prose)."""
+    text = path.read_text()
+    if path.suffix == ".py":
+        import io
+        import tokenize
+
+        tree = ast.parse(text)
+        docs = [ast.get_docstring(n) or "" for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        comments = [t.string for t in tokenize.generate_tokens(io.StringIO(text).readline)
+                    if t.type == tokenize.COMMENT]
+        return "\n".join(docs + comments)
+    if path.suffix == ".ipynb":
+        import json
+
+        cells = json.loads(text)["cells"]
+        return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def resolves(name: str, where: str, files: list[str]) -> bool:
+    if name.startswith(EXTERNAL_ROOTS) or name in WRITTEN_BY_USERS:
+        return True
+    if "/" in name:
+        return any(f == name or f.endswith("/" + name) for f in files)
+    folder = Path(where).parent  # a bare name: a file of the mentioning file's folder, or of a folder above it
+    while True:
+        if (CHECKOUT / folder / name).exists():
+            return True
+        if folder == Path("."):
+            return False
+        folder = folder.parent
+
+
+def test_the_path_finder_reads_prose_only() -> None:
+    assert named_paths("see ``engine/cuda/device.py`` and history.py.") == [(1, "engine/cuda/device.py"),
+                                                                          (1, "history.py")]
+    files = ["vram_magic/engine/cuda/device.py", "vram_magic/engine/cuda/history.py"]
+    assert resolves("engine/cuda/device.py", "docs/x.md", files)
+    assert not resolves("engine/cell.py", "docs/x.md", files)
+    assert resolves("torch/utils/viz/MemoryViz.py", "docs/x.md", files)
+
+
+def test_every_python_path_named_in_prose_exists() -> None:
+    """Every ``*.py`` a docstring, a comment, a document or a notebook's text names is a file of this checkout (or
+    someone else's, named by its own package's path)."""
+    files = _checkout_files()
+    sources = [CHECKOUT / f for f in files if f.endswith((".py", ".md"))]
+    sources += [CHECKOUT / "README.md", *sorted((CHECKOUT / "notebooks").glob("*.ipynb"))]
+    stale = [f"{p.relative_to(CHECKOUT)}:{i}: {name}" for p in sources for i, name in named_paths(prose(p))
+             if not resolves(name, p.relative_to(CHECKOUT).as_posix(), files)]
+    assert stale == []
+
+
+# --- a class counted with the classes of this package it is made of -----------------------------------------------
+MAX_CLASS_WITH_BASES = 400
+KNOWN_LONG_COMPOSITE_CLASSES: set[str] = set()
+
+
+def _classes() -> dict[str, tuple[int, list[str]]]:
+    """``module.Class`` -> (its lines, the ``module.Class`` of each base defined in this package)."""
+    out: dict[str, tuple[int, list[str]]] = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        names = {a.asname or a.name: f"{target}.{a.name}" for target, a in
+                 ((_target(module, n), a) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names)}
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                bases = []
+                for b in node.bases:
+                    name = ast.unparse(b)
+                    bases.append(names.get(name, f"{module}.{name}"))
+                out[f"{module}.{node.name}"] = (node.end_lineno - node.lineno + 1, bases)
+    return out
+
+
+def composite_size(name: str, classes: dict[str, tuple[int, list[str]]], seen: set[str] | None = None) -> int:
+    seen = set() if seen is None else seen
+    if name in seen or name not in classes:
+        return 0
+    seen.add(name)
+    own, bases = classes[name]
+    return own + sum(composite_size(b, classes, seen) for b in bases)
+
+
+def test_a_class_counts_with_its_bases_in_the_package() -> None:
+    toy = {"m.A": (250, ["m.B", "torch.X"]), "m.B": (200, []), "m.C": (100, ["m.B", "m.B"])}
+    assert composite_size("m.A", toy) == 450 and composite_size("m.C", toy) == 300
+    classes = _classes()
+    found = [c for c in classes if composite_size(c, classes) > MAX_CLASS_WITH_BASES]
+    assert_only_known(found, KNOWN_LONG_COMPOSITE_CLASSES,
+                      f"classes over {MAX_CLASS_WITH_BASES} lines with their bases")
+
+
+def test_the_readme_is_short_and_every_link_of_the_docs_resolves() -> None:
+    readme = CHECKOUT / "README.md"
+    assert len(readme.read_bytes()) <= 12 * 1024
+    broken = []
+    for page in [readme, *sorted((CHECKOUT / "docs").glob("*.md"))]:
+        for link in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            path = link.split("#")[0]
+            if path and not link.startswith(("http://", "https://", "mailto:")) and not (page.parent / path).exists():
+                broken.append(f"{page.name}: {link}")
+    assert broken == []

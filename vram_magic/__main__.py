@@ -20,16 +20,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
-        from .demo import run_demo
+        from .measure.demo import run_demo
 
         run_demo()
         return 0
     if cmd == "estimate":
-        from .estimator.cli import main as estimate_main
+        from .estimator.cli.estimate_cmd import main as estimate_main
 
         return estimate_main(rest)
     if cmd == "plan":
-        from .estimator.plan_cli import main as plan_main
+        from .estimator.cli.plan_cmd import main as plan_main
 
         return plan_main(rest)
     if cmd == "ranks":

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .quantized import parameter_parts, subclass_format
+from .hooks.quantized import parameter_parts, subclass_format
 from .torch_private import TRACING_TENSORS_PREFIX
 
 _MAX_DEPTH = 4

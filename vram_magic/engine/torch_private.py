@@ -112,7 +112,7 @@ def never_compiled(*functions: object) -> None:
 #: The autograd node being run (None outside backward). Checked on torch 2.5.1, 2.13, 2.15.
 current_autograd_node = torch._C._current_autograd_node
 #: The id of the graph task (one ``backward()`` or ``autograd.grad()`` call) running on this thread, unique per task;
-#: -1 outside backward. Checked on torch 2.13, 2.15 (2.5.1's checkpoint.py calls it too).
+#: -1 outside backward. Checked on torch 2.13, 2.15 (2.5.1's torch/utils/checkpoint.py calls it too).
 current_graph_task_id = torch._C._current_graph_task_id
 #: The class of one overload of an op (``torch.ops.aten.mm.default``). Checked on torch 2.5.1, 2.13, 2.15.
 OpOverload = torch._ops.OpOverload

@@ -2,24 +2,49 @@
 fake tensors (shapes, no memory) under the same live-storage tracker as ``%%vram``, and what a CUDA device adds is
 modelled on top. See :func:`estimate`.
 
-The estimator's house: ``tracing/`` runs a model on fake tensors; a workload (``step/``, ``generate/``) traces once per
-configuration that changes the trace and ``replay.py`` turns a trace into one rank's peak for a target (``target/``)
-and a layout (``layouts/``); ``explore/`` holds the what-if table and the searches; ``render/`` the reports.
+The estimator's house, in the order a request travels:
+
+* ``options.py`` — what a user may ask, checked once; ``fake/`` — the model and inputs on fake tensors;
+* ``tracing/`` — the fake run under the engine's tracker, and the plain numbers it leaves;
+* the workloads ``step/`` and ``generate/`` — traced once per configuration that changes the trace;
+* ``device/`` — the target (a GPU, a budget, what CUDA adds); ``layouts/`` — what one rank holds;
+  ``replay.py`` — a trace replayed for one rank of the target: its peak by category;
+* ``followups/`` — the what-if table and the searches; ``timing/`` — how long a step takes; ``plan/`` — the
+  planner, ranking the combinations that fit by their time;
+* ``result.py`` — the results, plain numbers; ``render/`` — their text and HTML; ``cli/`` — the command line;
+  ``torch_private.py`` — PyTorch's private names the estimator uses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .options import check_training_options, make_options
-from .result import Estimate, GenerateEstimate, ParallelEstimate, RankEstimate, StepEstimate, Strategy
-from .target import Target, make_target
-from .target.cuda import CudaModel, with_allocator
-from .target.gpus import GPU, GPUS, find_gpu
-from .tracing.errors import EstimateError
-from .tracing.request import Request
+if TYPE_CHECKING:
+    from .device.cuda_model import CudaModel
+    from .device.gpus import GPU
+    from .result import Estimate
+
+# What the estimator offers besides estimate() and plan(), each imported (with torch) when first asked for, so that
+# importing the package, reading estimate()'s signature or its help imports nothing heavy
+_LAZY = {
+    "GPU": "device.gpus", "GPUS": "device.gpus", "find_gpu": "device.gpus", "CudaModel": "device.cuda_model",
+    "Target": "device", "make_target": "device", "EstimateError": "tracing.errors",
+    "Estimate": "result", "GenerateEstimate": "result", "ParallelEstimate": "result", "RankEstimate": "result",
+    "StepEstimate": "result", "Strategy": "result", "find_max_batch": "run", "follow_ups": "run",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def estimate(
@@ -109,80 +134,10 @@ def estimate(
     rank). ``world`` is then tp × pp × dp and ``zero``/``fsdp`` shard over the dp ranks. The estimate is the most
     loaded rank's; ``estimate.ranks[r]`` is rank r's, and ``fits`` asks whether every rank fits.
     """
-    if generate is not None or cache_implementation is not None or num_beams != 1:
-        opts = generate_options(generate, cache_implementation, num_beams, dict(
-            dtype=dtype, amp=amp, device=device, quantize=quantize), dict(
-            checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp, world=world, offload=offload,
-            lora=lora, master_weights=master_weights, loss_fn=loss_fn, tp=tp, pp=pp, micro_batches=micro_batches,
-            parallelize_plan=parallelize_plan))
-    else:
-        opts = make_options(optimizer=optimizer, inference=inference, dtype=dtype, amp=amp,
-                            master_weights=master_weights, checkpointing=checkpointing, accumulate=accumulate,
-                            zero=zero, fsdp=fsdp, world=world, offload=offload, device=device, steps=steps,
-                            quantize=quantize, lora=lora, tp=tp, pp=pp, micro_batches=micro_batches,
-                            schedule=schedule, parallelize_plan=parallelize_plan)
-    if batch is not None:
-        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-            raise ValueError(f"batch must be a whole number ≥ 1 (the inputs' new dimension 0), not {batch!r}")
-        opts = opts.with_(batch=batch)
-    target = make_target(gpu, budget, with_allocator(cuda, alloc_conf))
-    if (max_batch or max_seq) and target.capacity is None:
-        raise ValueError("max_batch/max_seq need a capacity: give gpu='A100-80GB' (or another known GPU) or "
-                         "budget='24GiB'")
-    from .tracing.fake import check_inputs
+    options = dict(locals())
+    from .run import run_estimate
 
-    check_inputs(inputs)
-    est = workload_for(model, inputs, loss_fn, opts, target, name).evaluate(opts)
-    est = follow_ups(est, what_if=what_if, max_batch=max_batch, max_seq=max_seq, progress=progress)
-    settings = target.cuda.allocator
-    if opts.generate is not None and opts.device == "cuda" and settings.expandable_segments:
-        # the decoding loop's replay keeps the default rules
-        est = replace(est, notes=(*est.notes, settings.note("not modelled for generate()'s decoding loop: its "
-                                                            "replay used the default rules, not those")))
-    return est
-
-
-def generate_options(generate: Any, cache_implementation: Any, num_beams: int, kept: dict[str, Any],
-                     training: dict[str, Any]) -> Any:
-    """The options of a ``generate()`` estimate (``kept``: those it takes; ``training``: the training options,
-    which must be at their defaults)."""
-    if generate is None:
-        raise ValueError("cache_implementation and num_beams apply to generate=N (the number of new tokens)")
-    check_training_options(training)
-    from .generate.trace import make_spec
-
-    spec = make_spec(generate, cache_implementation, num_beams)
-    return make_options(inference=True, **kept).with_(
-        generate=spec.new_tokens, cache_implementation=spec.cache_implementation, num_beams=spec.num_beams)
-
-
-def workload_for(model: Any, inputs: Any, loss_fn: Any, opts: Any, target: Target, name: str | None = None) -> Any:
-    """The workload that estimates ``model`` on ``inputs`` with options like ``opts``: ``generate()`` or a step."""
-    if opts.generate is not None:
-        from .generate.workload import GenerateWorkload
-        from .tracing.frameworks import without_init
-
-        return GenerateWorkload(Request(without_init(model), inputs, name=name), target)
-    from .step.workload import StepWorkload
-
-    return StepWorkload(Request(model, inputs, loss_fn, name=name), target)
-
-
-def follow_ups(est: Estimate, *, what_if: bool = False, max_batch: bool = False, max_seq: bool = False,
-               progress: Callable[[str], None] | None = None) -> Estimate:
-    """An estimate with the follow-ups asked for: the largest batch, the longest sequence (a step's) or prompt
-    (``generate()``'s), the what-if table — each made by the estimate's workload with other options."""
-    if not (what_if or max_batch or max_seq):
-        return est
-    workload = est.rerunnable()
-    asked = {"batch": max_batch, "seq": max_seq}
-    for key in workload.SEARCH_ORDER:
-        if asked[key]:
-            field = "max_batch" if key == "batch" else workload.SEQ_FIELD
-            est = replace(est, **{field: workload.largest(est, key, progress)})
-    if what_if:
-        est = replace(est, strategies=tuple(workload.what_if(est)))
-    return est
+    return run_estimate(**options)
 
 
 def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batch: int | None = None,
@@ -190,7 +145,7 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
          top: int | None = 10, optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
          budget: Any = None, name: str | None = None, progress: Callable[[str], None] | None = None) -> Any:
     """The fastest ways to make a training step of ``model`` on ``inputs`` fit ``gpus`` GPUs like ``gpu``, ranked by
-    predicted step time (a :class:`~vram_magic.estimator.plans.Plan`).
+    predicted step time (a :class:`~vram_magic.estimator.plan.result.Plan`).
 
     It searches micro-batch × accumulation at the same ``global_batch`` (default: the inputs' batch, split over the
     GPUs), activation checkpointing (none, every block, every second block), ZeRO-1/2/3 or FSDP over the GPUs and the
@@ -206,19 +161,13 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
     with ``allow="quantize"``), the cache (default, static, int4-quantized, offloaded on CUDA) and the largest batch
     that fits, ranked by tokens/s.
     """
-    from .explore.plan import plan as run
+    from .plan.planner import plan as run
 
     return run(model, inputs, gpu=gpu, gpus=gpus, global_batch=global_batch, device=device, allow=allow,
                interconnect=interconnect, generate=generate, top=top, optimizer=optimizer, loss_fn=loss_fn,
                dtype=dtype, budget=budget, name=name, progress=progress)
 
 
-def find_max_batch(est: Estimate, *, dim: int = 0, progress: Callable[[str], None] | None = None) -> int:
-    """The largest batch (``dim=0``) or sequence length (``dim=1``; a prompt for ``generate()``) whose estimate fits
-    its capacity."""
-    return est.rerunnable().largest(est, "batch" if dim == 0 else "seq", progress)
-
-
 __all__ = ["GPU", "GPUS", "CudaModel", "Estimate", "EstimateError", "GenerateEstimate", "ParallelEstimate",
-           "RankEstimate", "StepEstimate", "Strategy",
-           "Target", "estimate", "find_gpu", "find_max_batch", "follow_ups", "make_target", "plan"]
+           "RankEstimate", "StepEstimate", "Strategy", "Target", "estimate", "find_gpu", "find_max_batch", "follow_ups",
+           "make_target", "plan"]

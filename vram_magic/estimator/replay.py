@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..breakdown import Breakdown
-from ..trace import alive_after, event_deltas, peak_of
-from ..units import format_bytes
+from ..core.breakdown import Breakdown
+from ..core.events import alive_after, event_deltas, peak_of
+from ..core.units import format_bytes
+from .device import Target
+from .device.cuda_model import CudaAllocation, CudaModel, cuda_allocation
+from .device.gpus import GPU
 from .layouts import layout_for
 from .options import Options
-from .target import Target
-from .target.cuda import CudaAllocation, CudaModel, cuda_allocation
-from .target.gpus import GPU
-from .tracing.traced import Trace
+from .tracing.traced import FakeRun
 
 #: the note every CUDA estimate carries
 CUDA_NOTE = ("CUDA is modelled: tensors are traced on fake CPU tensors with the optimizer CUDA would use; PyTorch's "
@@ -53,7 +53,7 @@ def capacity_note(gpu: GPU) -> str:
             f"({gpu.source}){smi}")
 
 
-def replay(trace: Trace, sizes: dict[int, int], spikes: dict[int, int],
+def replay(trace: FakeRun, sizes: dict[int, int], spikes: dict[int, int],
            window: tuple[int, int, int] = (0, -1, 0)) -> tuple[int, int, int]:
     """``(peak index, peak bytes, scratch bytes in that peak)``; index = number of events applied.
     ``window = (first, last, bytes)``: bytes alive from event index ``first`` to ``last`` (collective buffers)."""
@@ -67,11 +67,11 @@ def replay(trace: Trace, sizes: dict[int, int], spikes: dict[int, int],
     return top.index, top.level, alive.get(top.index, 0)
 
 
-def alive_at(trace: Trace, index: int) -> set[int]:
+def alive_at(trace: FakeRun, index: int) -> set[int]:
     return alive_after(trace.initial, trace.events, index)
 
 
-def rows_at(trace: Trace, sizes: dict[int, int], index: int) -> dict[tuple[str, str], int]:
+def rows_at(trace: FakeRun, sizes: dict[int, int], index: int) -> dict[tuple[str, str], int]:
     rows: dict[tuple[str, str], int] = {}
     for s in alive_at(trace, index):
         key = trace.owner.get(s, ("other", "temporaries"))
@@ -79,7 +79,7 @@ def rows_at(trace: Trace, sizes: dict[int, int], index: int) -> dict[tuple[str, 
     return rows
 
 
-def from_trace(trace: Trace, opts: Options, target: Target) -> Replayed:
+def from_trace(trace: FakeRun, opts: Options, target: Target) -> Replayed:
     """The trace replayed with the sizes one rank of the target device holds: its peak by category, what the device
     needs and whether it fits."""
     cuda = opts.device == "cuda"
@@ -119,7 +119,7 @@ def from_trace(trace: Trace, opts: Options, target: Target) -> Replayed:
     )
 
 
-def kernel_scratch(trace: Trace, cuda: bool, cm: CudaModel, sizes: dict[int, int]) -> tuple[dict[int, int], str]:
+def kernel_scratch(trace: FakeRun, cuda: bool, cm: CudaModel, sizes: dict[int, int]) -> tuple[dict[int, int], str]:
     """What kernels allocate and free inside one op (``{events applied: bytes}``) and what it is called: on CUDA
     the modelled cuDNN workspace of each convolution, on the CPU what oneDNN and the GEMMs were measured to use.
     The recurrent layers' workspaces (a proxy for cuDNN's reserve on CUDA) are set in ``sizes``."""
@@ -156,7 +156,7 @@ def kernel_scratch(trace: Trace, cuda: bool, cm: CudaModel, sizes: dict[int, int
     return spikes, label
 
 
-def peak_rows(trace: Trace, sizes: dict[int, int], scratch: tuple[dict[int, int], str],
+def peak_rows(trace: FakeRun, sizes: dict[int, int], scratch: tuple[dict[int, int], str],
               window: tuple[int, int, int], buffers: dict[str, int],
               gpu: CudaAllocation | None) -> tuple[dict[tuple[str, str], int], dict[str, int]]:
     """``(rows, modelled)`` at the peak: ``(category, label) → bytes`` of what is alive with the modelled parts
@@ -181,7 +181,7 @@ def peak_rows(trace: Trace, sizes: dict[int, int], scratch: tuple[dict[int, int]
     return rows, modelled
 
 
-def top_modules(trace: Trace, sizes: dict[int, int], index: int) -> tuple[tuple[str, int], ...]:
+def top_modules(trace: FakeRun, sizes: dict[int, int], index: int) -> tuple[tuple[str, int], ...]:
     """The eight modules whose activations hold the most after ``index`` events (the end of the forward)."""
     top: dict[str, int] = {}
     for s in alive_at(trace, index):

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..breakdown import Breakdown, shown_categories
-from ..rendered import Rendered
+from ..core.breakdown import Breakdown, shown_categories
+from ..core.rendered import Rendered
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -15,15 +15,15 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any
 
-from ..breakdown import CATEGORIES, LABELS
+from ..core.breakdown import CATEGORIES, LABELS
 from ..render import COLORS
 from . import procs, schema
 from .figures import FiguresReader
-from .nvml import Device, Nvml, same_device
+from .nvml import Nvml, NvmlDevice, same_device
 from .pids import KernelPid, KernelPids
 
 
-def join_processes(devices: Iterable[Device], kernels: Mapping[int, str], root: str = "/proc"
+def join_processes(devices: Iterable[NvmlDevice], kernels: Mapping[int, str], root: str = "/proc"
                    ) -> tuple[dict[str, dict[int, int]], dict[int, int | None], dict[int, int]]:
     """Attribute NVML's processes to kernels: ``kernels`` maps a kernel's local pid to its id; a process counts for
     the kernel that is it or its nearest ancestor. Returns bytes per kernel id and device index, bytes of the
@@ -51,13 +51,13 @@ def join_processes(devices: Iterable[Device], kernels: Mapping[int, str], root: 
     return per_kernel, other, by_kernels
 
 
-def foreign_pids(devices: Iterable[Device], is_alive: Any = procs.alive) -> list[int]:
+def foreign_pids(devices: Iterable[NvmlDevice], is_alive: Any = procs.alive) -> list[int]:
     """NVML pids that are no process of this pid namespace: the driver reports the host's pids, so a server in a
     container without the host's pid namespace sees numbers that are not its processes."""
     return sorted({p.pid for d in devices for p in d.processes if not is_alive(p.pid)})
 
 
-def namespace_notes(devices: list[Device], foreign: list[int], kernels: list[schema.Kernel]) -> list[str]:
+def namespace_notes(devices: list[NvmlDevice], foreign: list[int], kernels: list[schema.Kernel]) -> list[str]:
     notes = []
     if foreign:
         shown = ", ".join(str(p) for p in foreign[:5]) + (" …" if len(foreign) > 5 else "")
@@ -87,7 +87,7 @@ def namespace_notes(devices: list[Device], foreign: list[int], kernels: list[sch
     return notes
 
 
-def _own_gpu(figures: schema.Figures | None, devices: list[Device], nvml_gpu: list[schema.Gpu]) -> list[schema.Gpu]:
+def _own_gpu(figures: schema.Figures | None, devices: list[NvmlDevice], nvml_gpu: list[schema.Gpu]) -> list[schema.Gpu]:
     """The kernel's reserved bytes per device from its own figures, for devices NVML attributed nothing on."""
     out = []
     for d in figures["devices"] if figures else []:

@@ -80,7 +80,7 @@ class FiguresWriter:
             return []
         import torch
 
-        from ..engine.cuda import cell as cuda
+        from ..engine.cuda import device as cuda
 
         if not cuda.initialized():
             return []

@@ -17,7 +17,7 @@ class GpuProcess:
 
 
 @dataclass(frozen=True)
-class Device:
+class NvmlDevice:
     index: int  # NVML's index (PCI bus order, which CUDA follows only with CUDA_DEVICE_ORDER=PCI_BUS_ID)
     name: str
     uuid: str
@@ -55,7 +55,7 @@ class Nvml:
         self._nvml, self._ready = nvml, True
         return nvml
 
-    def read(self) -> tuple[list[Device], list[str]]:
+    def read(self) -> tuple[list[NvmlDevice], list[str]]:
         nvml = self._init()
         if nvml is None:
             return [], [self.note] if self.note else []
@@ -89,7 +89,7 @@ def _nvml_error(err: Exception) -> str:
     return f"{type(err).__name__}: {err}".replace("NVMLError_", "")
 
 
-def _device(nvml: Any, index: int) -> Device:
+def _device(nvml: Any, index: int) -> NvmlDevice:
     h = nvml.nvmlDeviceGetHandleByIndex(index)
     mem = nvml.nvmlDeviceGetMemoryInfo(h)
     try:
@@ -110,7 +110,7 @@ def _device(nvml: Any, index: int) -> Device:
             pid = int(p.pid)
             if pid not in seen or (seen[pid].used is None and used is not None):
                 seen[pid] = GpuProcess(pid, None if used is None else int(used))
-    return Device(index=index, name=_text(nvml.nvmlDeviceGetName(h)), uuid=_text(nvml.nvmlDeviceGetUUID(h)),
+    return NvmlDevice(index=index, name=_text(nvml.nvmlDeviceGetName(h)), uuid=_text(nvml.nvmlDeviceGetUUID(h)),
                   total=int(mem.total), used=int(mem.used), free=int(mem.free), mig=mig,
                   processes=tuple(seen.values()))
 

@@ -4,7 +4,7 @@
 
 The writers build these dicts, the server checks each figures file against :class:`Figures` before it uses one
 (:func:`problems`), and the front end's types, ``labextension/src/schema.ts``, are generated from this module by
-``python scripts/lab_types.py`` (``tests/test_lab_figures.py`` fails when the committed file is not what it makes).
+``python scripts/lab_types.py`` (``tests/lab/test_figures.py`` fails when the committed file is not what it makes).
 A comment after a field goes into the TypeScript with it. Every key is always present (``None`` where unknown).
 """
 

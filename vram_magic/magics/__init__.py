@@ -16,7 +16,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, Enum, Float, Int
 
-from ..session import Session
+from ..session.state import Session
 from . import cell as cells
 from .cellrun import CellRun, awaiting_cells
 
@@ -41,7 +41,7 @@ class VramMagics(Magics):
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
-        from ..engine.frames import refresh_shell_codes
+        from ..engine.tracker.frames import refresh_shell_codes
 
         refresh_shell_codes()
         self.session = Session(shell.user_ns, history_size=self.history_size)

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from IPython.core.error import UsageError
 
-from ..units import parse_size
+from ..core.units import parse_size
 
 if TYPE_CHECKING:
-    from ..session import Session
+    from ..session.state import Session
 
 
 class Host(Protocol):

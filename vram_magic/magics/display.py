@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 from .checks import Host, warn
 
 if TYPE_CHECKING:
-    from ..live import LiveView
-    from ..report import CellReport
+    from ..measure.report import CellReport
+    from ..session.live import LiveView
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
@@ -55,7 +55,7 @@ def with_view(text: str, html: str, *, widget: bool, max_width: str = "64em",
 
 def report_view(report: CellReport, *, widget: bool = False, session_scale: int | None = None) -> dict[str, Any]:
     """What ``%%vram`` displays: the report's static HTML and text, with ``widget`` the widget view in front."""
-    from ..render.widget import report_bundle
+    from ..measure.render.widget import report_bundle
 
     bundle = report_bundle(report, session_scale=session_scale)
     return with_view(bundle["text/plain"], bundle["text/html"], widget=widget)
@@ -65,7 +65,7 @@ def show_report(host: Host, report: CellReport, *, timeline: bool = False, live:
     """Display ``report`` (in place of the live view, if it appeared) and, if asked, its timeline."""
     from IPython.display import display
 
-    from ..live import session_scale
+    from ..session.live import session_scale
 
     scale = session_scale(host.session.history, report.device)
     bundle = report_view(report, widget=wants_widget(host), session_scale=scale)
@@ -74,7 +74,7 @@ def show_report(host: Host, report: CellReport, *, timeline: bool = False, live:
     else:
         display(bundle, raw=True)
     if timeline:
-        from ..render.timeline import timeline_bundle
+        from ..measure.render.timeline import timeline_bundle
 
         display(timeline_bundle(report), raw=True)
 
@@ -87,7 +87,7 @@ def start_live(host: Host) -> LiveView | None:
         m = host.session.active
         if delay < 0 or m is None or not has_frontend(host.shell):
             return None
-        from ..live import cell_view
+        from ..session.live import cell_view
 
         interval = float(getattr(host, "live_interval", 0.25))
         return cell_view(m, host.session.history, delay=delay, interval=interval).start()

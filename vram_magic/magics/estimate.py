@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 
-from ..estimator.arguments import OPTIONS, build
+from ..estimator.cli.arguments import OPTIONS, build
 from .checks import check_name
 from .display import WIDGET_VIEW, with_view
 from .options import help_text as options_help

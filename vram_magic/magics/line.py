@@ -26,7 +26,7 @@ LINE_HELP = (
 
 def devices() -> list[str]:
     """The CPU and every visible GPU (never initialises CUDA: NVML counts them)."""
-    from ..engine.cuda.cell import device_count
+    from ..engine.cuda.device import device_count
 
     return ["cpu"] + [f"cuda:{i}" for i in range(device_count())]
 
@@ -97,7 +97,7 @@ def _write(host: Host, cmd: str, rest: list[str]) -> None:
         return None
     if len(rest) != 1:
         raise UsageError("usage: %vram export PATH.csv|PATH.json")
-    from ..history import export_history
+    from ..session.tables import export_history
 
     check_path(rest[0])
     try:

@@ -1,5 +1,5 @@
 """The option parsers of the magics that share their options with the command line (``%vram_estimate``,
-``%vram_plan``): one list of argparse options each (``estimator/arguments.py``), made into an IPython magic's parser
+``%vram_plan``): one list of argparse options each (``estimator/cli/arguments.py``), made into an IPython magic's parser
 with ``-o`` and ``-q``, and read with errors that say what was wrong and how to quote."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..estimator.arguments import QUOTING, parse_error_hint
+from ..estimator.cli.arguments import QUOTING, parse_error_hint
 
 
 def magic_parser(usage: Callable[..., Any], options: list[tuple[tuple[str, ...], dict[str, Any]]],

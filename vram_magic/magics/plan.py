@@ -8,7 +8,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 
-from ..estimator.arguments import PLAN_OPTIONS, build_plan
+from ..estimator.cli.arguments import PLAN_OPTIONS, build_plan
 from .checks import check_name
 from .options import help_text as options_help
 from .options import magic_parser

@@ -1,10 +1,10 @@
-"""``%vram watch [DEV] [--interval S]`` and ``%vram watch off``: the standing monitor (``vram_magic.monitor``),
+"""``%vram watch [DEV] [--interval S]`` and ``%vram watch off``: the standing monitor (``vram_magic.session.monitor``),
 kept in the session between cells."""
 
 from __future__ import annotations
 
-from ..monitor import parse_watch, start_watch, watch_device
-from ..session import Session
+from ..session.monitor import parse_watch, start_watch, watch_device
+from ..session.state import Session
 from .checks import Host
 from .display import has_frontend
 

@@ -44,7 +44,7 @@ def _armed() -> str | None:
 
 
 def _is_rank_code(code: Any) -> bool:
-    from ..engine.frames import is_user_code
+    from ..engine.tracker.frames import is_user_code
 
     name = code.co_filename
     return is_user_code(code) and "site-packages" not in name and "dist-packages" not in name
@@ -108,9 +108,9 @@ class _RankRun:
     def __init__(self, folder: str, frame: Any) -> None:
         import torch.distributed as dist
 
-        from ..engine.cell.measurement import Measurement
-        from ..engine.cuda import cell as cuda
-        from ..engine.registry import LiveStorages
+        from ..engine.cuda import device as cuda
+        from ..engine.scan.registry import LiveStorages
+        from ..measure.measurement import Measurement
 
         self.folder = folder
         self.rank = dist.get_rank()
@@ -171,9 +171,9 @@ def _with_launcher(rr: Any, launcher: str) -> Any:
 
 def _partial_report(m: Any) -> Any:
     """A report from what a running measurement knows (its live status): the split now, the peak so far."""
-    from ..breakdown import Breakdown
-    from ..engine.namespace import add_other
-    from ..report import CellReport
+    from ..core.breakdown import Breakdown
+    from ..engine.scan.frame_namespace import add_other
+    from ..measure.report import CellReport
 
     status = m.status()
     if status is None or status.breakdown is None:

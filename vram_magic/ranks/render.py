@@ -12,15 +12,14 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from ..breakdown import LABELS, Breakdown, shown_categories
+from ..core.breakdown import LABELS, Breakdown, shown_categories
+from ..core.units import format_bytes
 from ..render import LETTERS
 from ..render.bars import BarRow, Cell, bars_html, grid_html, nbsp_sizes, scale_for, text_bar, values_html
+from ..render.text import SHORT_LABELS
 from ..render.theme import BAD, MUTED, NUM, ROOT, SMALL
-from ..units import format_bytes
 from .result import RankReport, RankReports
 
-_SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optim", "activations": "activ",
-          "kv_cache": "kv cache", "other": "other"}
 #: more ranks than this: only each rank's peak is drawn (the table still has before and after)
 ALL_MOMENTS_UP_TO = 4
 
@@ -130,7 +129,7 @@ def ranks_text(reports: RankReports) -> str:
     rows = _rows(reports)
     est = _estimate(reports)
     cats = shown_categories(*(b for _, _, b in rows), est.peak if est is not None else None)
-    head = ["".ljust(15)] + [_SHORT[c].rjust(11) for c in cats] + ["total".rjust(11)]
+    head = ["".ljust(15)] + [SHORT_LABELS[c].rjust(11) for c in cats] + ["total".rjust(11)]
     lines.append("".join(head))
     last = None
     for r, moment, b in rows:

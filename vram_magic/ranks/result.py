@@ -12,9 +12,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, overload
 
-from ..breakdown import CATEGORIES, Breakdown
-from ..rendered import Rendered
-from ..report import CellReport
+from ..core.breakdown import CATEGORIES, Breakdown
+from ..core.rendered import Rendered
+from ..measure.report import CellReport
 from .payload import FORMAT, dumps, loads, report_from_dict, report_to_dict
 
 if TYPE_CHECKING:

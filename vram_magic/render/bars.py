@@ -18,8 +18,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..breakdown import CATEGORIES, LABELS, Breakdown, shown_categories
-from ..units import format_bytes
+from ..core.breakdown import CATEGORIES, LABELS, Breakdown, shown_categories
+from ..core.units import format_bytes
 from . import COLORS, LETTERS
 from .theme import GRID, MUTED, NUM, SMALL, TRACK
 

@@ -24,8 +24,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..alloc_conf import DEFAULT_SETTINGS, AllocatorSettings
-from ..caching_allocator import block_size, round_size
+from .alloc_conf import DEFAULT_SETTINGS, AllocatorSettings
+from .caching_allocator import block_size, round_size
 
 #: memory_stats() keys whose growth over a cell counts its trace entries, by the action each one writes
 COUNTERS: dict[str, tuple[str, ...]] = {

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ...units import format_bytes
-from ..alloc_conf import AllocatorSettings, settings_from_snapshot
+from ...core.units import format_bytes
+from .alloc_conf import AllocatorSettings, settings_from_snapshot
 from .history import HistoryReplay, cell_window, end_blocks, expected_entries, replay_blocks, skipped_actions
 
 

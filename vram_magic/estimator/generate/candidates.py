@@ -1,12 +1,13 @@
 """The changes worth trying from a ``generate()`` estimate's options, one what-if row each (the table itself:
-``explore/whatif.py``): weights in another dtype or quantized, another cache, a shorter prompt, a smaller batch,
+``estimator/followups/whatif.py``): weights in another dtype or quantized, another cache, a shorter prompt, a smaller
+batch,
 greedy decoding — each with what it trades in speed and quality."""
 
 from __future__ import annotations
 
 import torch
 
-from ...units import format_bytes
+from ...core.units import format_bytes
 from ..options import Options
 from ..result import Candidate
 from .facts import GenerateSpec, Generation

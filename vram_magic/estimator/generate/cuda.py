@@ -25,17 +25,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ...engine.alloc_conf import DEFAULT_SETTINGS, AllocatorSettings
-from ...engine.caching_allocator import CachingAllocator
-from ...units import format_bytes
-from ..target.attention import CudaAttention
+from ...core.units import format_bytes
+from ...engine.cuda.alloc_conf import DEFAULT_SETTINGS, AllocatorSettings
+from ...engine.cuda.caching_allocator import CachingAllocator
+from ..device.sdpa import CudaAttention
 from ..tracing.tracer import StepTracer
 from .facts import GenerateSpec, Generation
 
 if TYPE_CHECKING:
+    from ..device import Target
     from ..replay import Replayed
-    from ..target import Target
-    from ..tracing.traced import Trace
+    from ..tracing.traced import FakeRun
 
 
 class GenerateTracer(StepTracer):
@@ -252,7 +252,7 @@ def unrolled_reserved(initial: Iterable[int], events: Sequence[int], sizes: Mapp
     return LoopReplay(a.peak_reserved, a.reserved, a.allocated, a.peak_pinned, a.in_use, a.stranded)
 
 
-def loop_allocation(r: Replayed, gen: Generation, trace: Trace, facts: dict[str, Any], spec: GenerateSpec,
+def loop_allocation(r: Replayed, gen: Generation, trace: FakeRun, facts: dict[str, Any], spec: GenerateSpec,
                     target: Target) -> tuple[Replayed, Generation, str]:
     """The replayed trace ``r`` and the facts ``gen`` with what the caching allocator's replay of the whole loop says,
     and its note (``""``: the steps do not line up, nothing replayed)."""
@@ -290,7 +290,7 @@ def _max_split_hint(segment: int) -> str:
             f"(estimate it with alloc_conf='max_split_size_mb:{mib}')")
 
 
-def stranded_reason(stranded: Any, trace: Trace, needed: int) -> str:
+def stranded_reason(stranded: Any, trace: FakeRun, needed: int) -> str:
     """Words for the largest segment whose free space counts in what a GPU needs, when it holds a tenth of it or
     more: what it was made for and what keeps it (``""`` otherwise)."""
     if not stranded or stranded[0].free * 10 < needed:
@@ -302,7 +302,7 @@ def stranded_reason(stranded: Any, trace: Trace, needed: int) -> str:
             "from being given back")
 
 
-def _tag_name(tag: Any, trace: Trace) -> str:
+def _tag_name(tag: Any, trace: FakeRun) -> str:
     """What a block of the allocator's replay holds, in words (its module and label; its decoding step)."""
     if tag == "workspace":
         return "the cuBLAS workspace"
@@ -313,7 +313,7 @@ def _tag_name(tag: Any, trace: Trace) -> str:
     return text if step is None else f"{text} (decoding step {step})"
 
 
-def _loop_replay(trace: Trace, facts: dict[str, Any], spec: GenerateSpec, target: Target) -> LoopReplay | None:
+def _loop_replay(trace: FakeRun, facts: dict[str, Any], spec: GenerateSpec, target: Target) -> LoopReplay | None:
     marks = trace.marks
     last = spec.new_tokens - 1
     keys = ("bookkeeping_before_jump", "jump_start", "jump_end", f"step{last}", "forward_done", "loop_end")

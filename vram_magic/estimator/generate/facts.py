@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..options import Options
-    from ..tracing.traced import Trace
+    from ..tracing.traced import FakeRun
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def spec_of(opts: Options) -> GenerateSpec:
                         opts.last_logits_only)
 
 
-def phase_peaks(trace: Trace) -> tuple[int, int, int]:
+def phase_peaks(trace: FakeRun) -> tuple[int, int, int]:
     """Traced bytes (CPU sizes) at the prefill's peak and at the decoding steps' (the jump left out), and the step
     the highest of them falls in (0: the prefill and what the loop does with its logits)."""
     sizes, marks = trace.sizes, trace.marks
@@ -108,7 +108,7 @@ def phase_peaks(trace: Trace) -> tuple[int, int, int]:
     return pre, dec, step
 
 
-def generation_facts(trace: Trace, facts: dict[str, Any], spec: GenerateSpec) -> Generation:
+def generation_facts(trace: FakeRun, facts: dict[str, Any], spec: GenerateSpec) -> Generation:
     pre, dec, step = phase_peaks(trace)
     rows = facts["batch"] * spec.num_beams
     per_token = facts["per_token"]

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from ..fake.known_values import attach, value_of
 from ..torch_private import disable_current_modes
-from ..tracing.known_values import attach, value_of
 
 #: model kwargs that ``_update_model_kwargs_for_generation`` grows by one token a step
 GROWING_KWARGS = ("position_ids", "decoder_position_ids", "attention_mask", "decoder_attention_mask",
@@ -38,7 +38,7 @@ class NoJump(Exception):
 
 
 @dataclass
-class Plan:
+class DecodePlan:
     """Which decoding steps run, and what to tell the estimate after each forward and jump.
 
     Steps are numbered as the real loop runs its forwards: 0 is the prefill, 1 .. ``new_tokens - 1`` the
@@ -73,7 +73,7 @@ def cache_of(model_kwargs: dict[str, Any]) -> Any:
     return None
 
 
-def decoding(plan: Plan) -> Callable[..., Any]:
+def decoding(plan: DecodePlan) -> Callable[..., Any]:
     """The ``custom_generate`` callable generate() hands its prepared inputs to."""
 
     def decode(model: Any, input_ids: torch.Tensor, logits_processor: Any = None, stopping_criteria: Any = None,
@@ -88,7 +88,7 @@ def decoding(plan: Plan) -> Callable[..., Any]:
     return decode
 
 
-def prepare_cache(cache: Any, plan: Plan) -> None:
+def prepare_cache(cache: Any, plan: DecodePlan) -> None:
     """An offloading cache: on a modelled GPU its layers go to the host between uses (``generate_variants``);
     on the CPU there is nowhere to offload to."""
     inner = getattr(cache, "self_attention_cache", cache)
@@ -103,7 +103,7 @@ def prepare_cache(cache: Any, plan: Plan) -> None:
 
 
 def sample(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
-           generation_config: Any, plan: Plan, model_kwargs: dict[str, Any]) -> torch.Tensor:
+           generation_config: Any, plan: DecodePlan, model_kwargs: dict[str, Any]) -> torch.Tensor:
     """``GenerationMixin._sample`` (greedy or multinomial), steps chosen by ``plan``."""
     pad_token_id = generation_config._pad_token_tensor
     has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
@@ -155,7 +155,7 @@ def sample(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_
 
 
 def beam_search(model: Any, input_ids: torch.Tensor, logits_processor: Any, stopping_criteria: Any,
-                generation_config: Any, plan: Plan, model_kwargs: dict[str, Any]) -> torch.Tensor:
+                generation_config: Any, plan: DecodePlan, model_kwargs: dict[str, Any]) -> torch.Tensor:
     """``GenerationMixin._beam_search``, steps chosen by ``plan``: the running and finished beams, the
     top-k continuations over ``num_beams × vocabulary`` and the cache reordered after every step."""
     from transformers.generation.utils import ALL_CACHE_NAMES
@@ -264,7 +264,7 @@ def beam_search(model: Any, input_ids: torch.Tensor, logits_processor: Any, stop
     return sequences
 
 
-def advance(plan: Plan, ids_shape: tuple[int, ...], ids_dtype: torch.dtype, tokens: int,
+def advance(plan: DecodePlan, ids_shape: tuple[int, ...], ids_dtype: torch.dtype, tokens: int,
             model_kwargs: dict[str, Any]) -> torch.Tensor:
     """Skip ``tokens`` decoding steps: every growing model kwarg and the cache's self-attention layers at the
     lengths the real loop would reach, each old tensor freed before its longer one is made; returns the token
@@ -424,5 +424,5 @@ def _static_sliding(layer: Any, tokens: int) -> None:
         layer.cumulative_length.add_(min(tokens, layer.max_cache_len - before))
 
 
-__all__ = ["GROWING_KWARGS", "NoJump", "Plan", "advance", "beam_search", "can_jump", "cache_of", "decoding",
+__all__ = ["GROWING_KWARGS", "NoJump", "DecodePlan", "advance", "beam_search", "can_jump", "cache_of", "decoding",
            "grow_cache", "sample", "self_attention_layers"]

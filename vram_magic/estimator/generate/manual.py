@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ...engine.kv_cache import CACHE_NAMES
-from ..tracing.fake import tensors_in
+from ...engine.hooks.kv_cache import CACHE_NAMES
+from ..fake.convert import tensors_in
 from .facts import GenerateSpec
 from .loop import Plan
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ...engine.kv_cache import kv_cache_tensors
-from ...engine.registry import LiveStorages
+from ...engine.hooks.kv_cache import kv_cache_tensors
+from ...engine.scan.registry import LiveStorages
 from .facts import GenerateSpec
 from .loop import Plan, can_jump
 

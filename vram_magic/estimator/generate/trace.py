@@ -2,11 +2,11 @@
 min_new_tokens=N)`` on fake tensors.
 
 ``generate()`` cannot run on fake tensors to its end (its stopping checks read values), so its loop is
-modelled (``generate_loop.py``): generate() itself prepares everything as it would (the cache object it
+modelled (``loop.py``): generate() itself prepares everything as it would (the cache object it
 chooses, ``logits_to_keep``, the encoder outputs, beams), the prefill runs as it runs it, then the first
 decoding steps, then the last one with the cache at its longest (prompt + N − 2 tokens going in, one more
 coming out). A hand-written decoder that takes and returns a tuple cache is run through the same kind of
-loop (``generate_manual.py``). The cache's tensors are the estimate's ``kv_cache`` category.
+loop (``manual.py``). The cache's tensors are the estimate's ``kv_cache`` category.
 """
 
 from __future__ import annotations
@@ -20,21 +20,21 @@ from typing import Any
 
 import torch
 
-from ...engine.kv_cache import KV_CACHE
-from ...engine.registry import LiveStorages
+from ...engine.hooks.kv_cache import KV_CACHE
+from ...engine.scan.registry import LiveStorages
+from ..device.autocast import cuda_autocast
+from ..fake.convert import from_specs, resize, size_of, tensors_in
+from ..fake.frameworks import estimating, not_tracing
+from ..fake.lora import adapt_linear_layers
+from ..fake.quantize import count_parameters, parameter_labels
+from ..fake.request import Request
 from ..options import Options, short_dtype
-from ..target.autocast import cuda_autocast
 from ..torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode
 from ..tracing.errors import EstimateError
-from ..tracing.fake import from_specs, resize, size_of, tensors_in
-from ..tracing.frameworks import estimating, not_tracing
-from ..tracing.lora import adapt_linear_layers
-from ..tracing.quantize import count_parameters, parameter_labels
-from ..tracing.request import Request
-from ..tracing.traced import Trace
+from ..tracing.traced import FakeRun
 from ..tracing.tracer import FAKE_PROBLEMS, FORWARD
 from .facts import GenerateSpec
-from .loop import Plan, decoding
+from .loop import DecodePlan, decoding
 from .recorder import LoopRecorder
 from .variants import no_streams
 
@@ -103,7 +103,7 @@ def model_kind(model: Any) -> str:
 
 
 def trace_generate(request: Request, opts: Options, spec: GenerateSpec, *, cuda: Any = None
-                   ) -> tuple[Trace, dict[str, Any]]:
+                   ) -> tuple[FakeRun, dict[str, Any]]:
     """The fake run of one ``generate()`` call; the trace and what the loop learnt (cache slots, phases)."""
     t0 = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -141,7 +141,7 @@ def _inputs(request: Request, opts: Options, mode: FakeTensorMode) -> tuple[Any,
 
 
 def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensorMode, t0: float,
-           cuda: Any) -> tuple[Trace, dict[str, Any]]:
+           cuda: Any) -> tuple[FakeRun, dict[str, Any]]:
     from .cuda import GenerateTracer
 
     model, notes = _fake_model(request, opts, mode)
@@ -171,9 +171,9 @@ def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensor
     names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
     tracer = GenerateTracer(registry, names, cuda)
     learnt = LoopRecorder(tracer, registry, spec)
-    plan = Plan(spec.new_tokens, on_event=learnt.event, cuda=cuda is not None)
+    plan = DecodePlan(spec.new_tokens, on_event=learnt.event, cuda=cuda is not None)
     learnt.plan = plan
-    autocast = cuda_autocast(opts.device, opts.amp)  # amp= for CUDA: CUDA's op lists (target/autocast.py)
+    autocast = cuda_autocast(opts.device, opts.amp)  # amp= for CUDA: CUDA's op lists (estimator/device/autocast.py)
     amp = autocast.region(opts.amp) if autocast is not None else \
         torch.autocast("cpu", dtype=opts.amp) if opts.amp is not None else _null()
     problem = None
@@ -209,7 +209,7 @@ def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensor
 
 def _last_position_logits(model: Any, notes: list[str]) -> None:
     """What-if: the output head computes the last position's logits only (what ``logits_to_keep=1`` does)."""
-    from ..tracing.quantize import output_head
+    from ..fake.quantize import output_head
 
     head = output_head(model)
     if head is None:
@@ -224,12 +224,12 @@ def _last_position_logits(model: Any, notes: list[str]) -> None:
     notes.append("what-if: the output head computes the last position's logits only (logits_to_keep=1)")
 
 
-def _hf_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: Plan) -> Any:
+def _hf_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: DecodePlan) -> Any:
     kwargs: dict[str, Any] = dict(max_new_tokens=spec.new_tokens, min_new_tokens=spec.new_tokens,
                                   do_sample=spec.do_sample, num_beams=spec.num_beams, custom_generate=decoding(plan))
     if spec.do_sample:
         kwargs.update(top_k=0, top_p=1.0, temperature=1.0)
-    if spec.cache_implementation == "quantized":  # optimum-quanto's layout, modelled (generate_variants.py)
+    if spec.cache_implementation == "quantized":  # optimum-quanto's layout, modelled (variants.py)
         from .variants import quantized_cache
 
         kwargs["cache"] = quantized_cache(model.config, spec.cache_bits)
@@ -263,8 +263,8 @@ def _stand_in_values(model: Any, ids: Any) -> None:
     """Token ids whose values are not known (a random expression evaluated on fake tensors): generate() reads
     them (a pad token in the prompt makes a padding mask; negative ids; right padding), so they get stand-in
     values: one ordinary token everywhere, none of the model's special tokens — an unpadded prompt."""
+    from ..fake.known_values import LIMIT, attach, value_of
     from ..torch_private import disable_current_modes as _disable_current_modes
-    from ..tracing.known_values import LIMIT, attach, value_of
 
     if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or value_of(ids) is not None:
         return
@@ -285,7 +285,7 @@ class _null:
 
 
 def _step_trace(tracer: Any, owner: dict[int, tuple[str, str]], learnt: LoopRecorder, model: Any, params: list[Any],
-                batch: int, seq: int, notes: list[str], problem: str | None, t0: float) -> Trace:
+                batch: int, seq: int, notes: list[str], problem: str | None, t0: float) -> FakeRun:
     sizes = dict(tracer.initial)
     sizes.update(tracer.late)
     module: dict[int, str] = {}
@@ -316,7 +316,7 @@ def _step_trace(tracer: Any, owner: dict[int, tuple[str, str]], learnt: LoopReco
     for serial in tracer.late:
         owner.setdefault(serial, ("other", "temporaries"))
     param_bytes = sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "parameters")
-    trace = Trace(
+    trace = FakeRun(
         sizes=sizes, owner=owner, module=module, events=tracer.events,
         initial=tuple(tracer.initial) + tuple(tracer.late),
         marks={"forward_end": marks.get("decode_start", len(tracer.events)), "step_start": 0, **marks},

@@ -99,8 +99,8 @@ def _layer_class() -> type:
             del unpacked
             return out
 
-    # one of transformers' cache layers with modelled kernels: cache walkers (vram_magic.engine.kv_cache, transformers'
-    # own) look for their module
+    # one of transformers' cache layers with modelled kernels: cache walkers (vram_magic.engine.hooks.kv_cache,
+    # transformers' own) look for their module
     ModelledQuantoLayer.__module__ = QuantizedLayer.__module__
     return ModelledQuantoLayer
 

@@ -8,17 +8,17 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..explore.search import fitted_max
-from ..explore.whatif import what_if
+from ..device import Target
+from ..device.sdpa import DEFAULT_CAPABILITY, kernel_note
+from ..fake.request import Request
+from ..followups.search import fitted_max
+from ..followups.whatif import what_if
 from ..options import Options
 from ..replay import Replayed, from_trace
 from ..result import Candidate, GenerateEstimate, Strategy
-from ..target import Target
-from ..target.attention import DEFAULT_CAPABILITY, kernel_note
 from ..tracing.errors import EstimateError
 from ..tracing.kept import KeptTraces
-from ..tracing.request import Request
-from ..tracing.traced import Trace
+from ..tracing.traced import FakeRun
 from .candidates import candidates, stranded_note
 from .cuda import loop_allocation
 from .facts import generation_facts, loop_note, spec_of
@@ -45,20 +45,20 @@ class GenerateWorkload:
 
     def __init__(self, request: Request, target: Target) -> None:
         self.request, self.target = request, target
-        self._traces: KeptTraces[tuple[Trace, dict[str, Any]]] = KeptTraces(KEPT_TRACES)
+        self._traces: KeptTraces[tuple[FakeRun, dict[str, Any]]] = KeptTraces(KEPT_TRACES)
 
     @property
     def traced(self) -> int:
         """Fake runs made (the rest of the estimates were replays)."""
         return self._traces.made
 
-    def trace(self, opts: Options) -> tuple[Trace, dict[str, Any]]:
+    def trace(self, opts: Options) -> tuple[FakeRun, dict[str, Any]]:
         """The fake ``generate()`` run for ``opts`` and what its loop learnt, made once per configuration that
         changes it."""
         cap = capability(opts, self.target)
         return self._traces.get((opts.trace_key(), cap), lambda: self._make(opts, cap))
 
-    def _make(self, opts: Options, cap: tuple[int, int] | None) -> tuple[Trace, dict[str, Any]]:
+    def _make(self, opts: Options, cap: tuple[int, int] | None) -> tuple[FakeRun, dict[str, Any]]:
         made = trace_generate(self.request, opts, spec_of(opts), cuda=cap)
         if made[0].problem:  # the loop never ran: a partial figure would mislead
             raise EstimateError(f"generate() could not be run on fake tensors: {made[0].problem}")
@@ -129,7 +129,7 @@ class GenerateWorkload:
     SEARCH_ORDER = ("seq", "batch")
 
 
-def _label_cache(trace: Trace, facts: dict[str, Any], first: Replayed) -> None:
+def _label_cache(trace: FakeRun, facts: dict[str, Any], first: Replayed) -> None:
     """The cache's storages named for good: at the peak, of a slot (``layers[3].keys``) holding two storages
     (``torch.cat``'s new copy made, the old one not yet freed; a beam reorder's copy) the newer is the growth
     transient, the rest is the cache as it stands."""

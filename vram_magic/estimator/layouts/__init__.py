@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import Protocol
 
 from ..options import Options
-from ..tracing.traced import Trace
+from ..tracing.traced import FakeRun
 
 
 class Layout(Protocol):
     """One rank's view of a traced step."""
 
-    def rank_sizes(self, trace: Trace, opts: Options) -> tuple[dict[int, int], int]:
+    def rank_sizes(self, trace: FakeRun, opts: Options) -> tuple[dict[int, int], int]:
         """Each storage's bytes on the rank, and the optimizer state's bytes before sharding and offload."""
         ...
 
@@ -23,11 +23,11 @@ class Layout(Protocol):
         """The collectives' buffers (modelled), by what they are."""
         ...
 
-    def window(self, trace: Trace) -> tuple[int, int]:
+    def window(self, trace: FakeRun) -> tuple[int, int]:
         """The events during which the buffers are alive."""
         ...
 
-    def model_states(self, trace: Trace, opts: Options, state_bytes: int) -> int:
+    def model_states(self, trace: FakeRun, opts: Options, state_bytes: int) -> int:
         """Parameters, gradients and optimizer state the rank keeps for the whole step."""
         ...
 
@@ -36,7 +36,7 @@ class Layout(Protocol):
         ...
 
 
-def layout_for(opts: Options, trace: Trace) -> Layout:
+def layout_for(opts: Options, trace: FakeRun) -> Layout:
     """The layout ``opts`` ask for."""
     if opts.parallel:  # the trace is one rank's of a tensor- or pipeline-parallel job (rank_trace.py)
         from .model_parallel import ModelParallelLayout

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...engine.collectives import GLOO_STAGING
+from ...engine.hooks.collectives import GLOO_STAGING
 from ..options import Options
-from ..tracing.traced import Trace
+from ..tracing.traced import FakeRun
 from .zero import ZeroLayout
 
 _GLOO = frozenset(GLOO_STAGING.values())
@@ -22,10 +22,10 @@ class ModelParallelLayout:
     data: ZeroLayout
 
     @classmethod
-    def of(cls, opts: Options, trace: Trace) -> ModelParallelLayout:
+    def of(cls, opts: Options, trace: FakeRun) -> ModelParallelLayout:
         return cls(ZeroLayout.of(opts.with_(world=opts.dp), trace))
 
-    def rank_sizes(self, trace: Trace, opts: Options) -> tuple[dict[int, int], int]:
+    def rank_sizes(self, trace: FakeRun, opts: Options) -> tuple[dict[int, int], int]:
         sizes, state = self.data.rank_sizes(trace, opts.with_(world=opts.dp))
         if opts.device == "cuda":
             for s, role in trace.owner.items():
@@ -36,10 +36,10 @@ class ModelParallelLayout:
     def buffers(self, training: bool) -> dict[str, int]:
         return self.data.buffers(training)
 
-    def window(self, trace: Trace) -> tuple[int, int]:
+    def window(self, trace: FakeRun) -> tuple[int, int]:
         return self.data.window(trace)
 
-    def model_states(self, trace: Trace, opts: Options, state_bytes: int) -> int:
+    def model_states(self, trace: FakeRun, opts: Options, state_bytes: int) -> int:
         return self.data.model_states(trace, opts.with_(world=opts.dp), state_bytes)
 
     def notes(self, opts: Options) -> list[str]:

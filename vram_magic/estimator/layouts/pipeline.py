@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...engine.pipeline import MERGED, outputs_role, received_role
+from ...engine.hooks.pipeline import MERGED, outputs_role, received_role
 from ..options import SCHEDULES
 from ..tracing.tracer import BACKWARD, FORWARD, LOSS
 from .tensor import is_dtensor
@@ -374,7 +374,7 @@ def _release_sent(cache: dict[tuple[int, int], tuple[Any, Any]], sent: list[tupl
 
 def _stated(step: Any) -> Any:
     """The stand-in loss a step uses when none is given, noting which it was."""
-    from ..tracing.loss import stand_in_loss
+    from ..step.loss import stand_in_loss
 
     def loss(output: Any) -> torch.Tensor:
         value, step.loss_used = stand_in_loss(output)

@@ -16,9 +16,9 @@ rule (DTensor's propagation), on where the styles redistribute, and on what auto
 PyTorch's own code on fake tensors gives all three as a real rank has them.
 
 A collective's output counts as a buffer ("other") unless the forward keeps it for backward (an activation, named
-after the collective), as ``%%vram`` names them (``engine/collectives.py``). On the CPU gloo stages an all-gather in
-a buffer of the output's size and reduces a copy of a reduce-scatter's input, both alive at the collective: the
-trace adds them there (a CUDA estimate gives them no bytes: NCCL has no staging copy).
+after the collective), as ``%%vram`` names them (``engine/hooks/collectives.py``). On the CPU gloo stages an
+all-gather in a buffer of the output's size and reduces a copy of a reduce-scatter's input, both alive at the
+collective: the trace adds them there (a CUDA estimate gives them no bytes: NCCL has no staging copy).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...engine.collectives import GLOO_STAGING, TP_ROLES, tp_collective
+from ...engine.hooks.collectives import GLOO_STAGING, TP_ROLES, tp_collective
 from ...engine.phases import Phase
 from ..torch_private import dtensor_shape_runs, offline_mesh, pop_mode, push_mode, register_group
 from ..tracing.errors import EstimateError

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..options import Options, optimizer_name, short_dtype
-from ..tracing.traced import Trace
+from ..tracing.traced import FakeRun
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class ZeroLayout:
     offload: bool = False
 
     @classmethod
-    def of(cls, opts: Options, trace: Trace) -> ZeroLayout:
+    def of(cls, opts: Options, trace: FakeRun) -> ZeroLayout:
         units = trace.unit_param_bytes
         largest = max(units) if units else trace.param_bytes
         root = max(trace.param_bytes - sum(units), 0) if units else 0
@@ -53,7 +53,7 @@ class ZeroLayout:
             return self.stage >= 3
         return False
 
-    def rank_sizes(self, trace: Trace, opts: Options) -> tuple[dict[int, int], int]:
+    def rank_sizes(self, trace: FakeRun, opts: Options) -> tuple[dict[int, int], int]:
         """Each storage's bytes on one rank of the device (Adam's ``step`` counters on the host with CUDA unless the
         optimizer is fused or capturable; the sharded share under ZeRO; optimizer state offloaded to the host), and
         the optimizer state's bytes before sharding and offload."""
@@ -81,12 +81,12 @@ class ZeroLayout:
             out["reduce-scatter input (a unit's gradients)"] = unit
         return out
 
-    def window(self, trace: Trace) -> tuple[int, int]:
+    def window(self, trace: FakeRun) -> tuple[int, int]:
         """The events during which the buffers are alive: FSDP/ZeRO gather and reduce during the forward and backward
         of a step; none is alive in the update."""
         return trace.marks.get("step_start", 0), trace.marks.get("backward_end", len(trace.events))
 
-    def model_states(self, trace: Trace, opts: Options, state_bytes: int) -> int:
+    def model_states(self, trace: FakeRun, opts: Options, state_bytes: int) -> int:
         """Bytes of parameters, gradients and optimizer state one rank holds for the whole step (the ZeRO paper's
         *model states*), whatever is alive at the peak."""
         if opts.inference:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from ...breakdown import shown_categories
+from ...core.breakdown import shown_categories
+from ...core.units import format_bytes, format_count
 from ...render.bars import BarRow, Extra, bars_html, nbsp_sizes, scale_for, values_html, zoom_note
 from ...render.text import bar, legend, table
 from ...render.theme import BAD, GOOD, MUTED, RESERVE, ROOT, SMALL
-from ...units import format_bytes, format_count
 from .table import strategies_html, strategies_text
 
 if TYPE_CHECKING:

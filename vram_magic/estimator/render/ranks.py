@@ -6,8 +6,8 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from ...breakdown import CATEGORIES
-from ...units import format_bytes
+from ...core.breakdown import CATEGORIES
+from ...core.units import format_bytes
 from .step import estimate_html as step_html
 from .step import estimate_text as step_text
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from ...units import format_bytes
+from ...core.units import format_bytes
 from .common import flops_text, report_html, report_text, title, top_modules_line
 
 if TYPE_CHECKING:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
+from ...core.units import format_bytes
 from ...render.bars import Cell, grid_html
 from ...render.theme import BAD, GOOD, MUTED, NUM, SMALL
-from ...units import format_bytes
 
 if TYPE_CHECKING:
     from ..result import Strategy

@@ -1,5 +1,5 @@
 """The changes worth trying from a step's options, one what-if row each: each strategy alone and in useful
-combinations (the table itself: ``explore/whatif.py``)."""
+combinations (the table itself: ``estimator/followups/whatif.py``)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def candidates(opts: Options, batch: int | None) -> list[Candidate]:
 
 
 def _quantized(opts: Options) -> list[Candidate]:
-    """Quantized weights and adapters (quantize.py, lora.py): for inference int8 and nf4 weights; for training
+    """Quantized weights and adapters (estimator/fake/quantize.py, estimator/fake/lora.py): for inference int8 and nf4
+    weights; for training
     LoRA adapters on the frozen model, and QLoRA (adapters on an nf4 base)."""
     out: list[Candidate] = []
     if opts.inference:

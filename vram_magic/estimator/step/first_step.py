@@ -31,7 +31,7 @@ from ..tracing.tracer import BACKWARD, OPTIMIZER, ZERO_GRAD, StepTracer
 #: a state tensor's spec: ``("T", shape, stride, dtype, device)``; a plain value's: ``("V", value)``
 Spec = tuple[Any, ...]
 #: per parameter the optimizer updates, its state as ``((key, spec), ...)``, or None where it has none
-Layout = tuple[tuple[tuple[Any, Spec], ...] | None, ...]
+StateLayout = tuple[tuple[tuple[Any, Spec], ...] | None, ...]
 
 _PLAIN = (int, float, bool, str, type(None))
 
@@ -44,7 +44,7 @@ def state_key(optimizer_spec: Any, device: str, master_weights: bool, updated: l
 
 def run_first_step(updater: Any, optimizer: torch.optim.Optimizer, updated: list[nn.Parameter],
                    trainable: list[nn.Parameter], tracer: StepTracer, claim: Callable[..., int | None],
-                   host_scalars: set[int], states: dict[Hashable, Layout] | None, key: Hashable | None) -> None:
+                   host_scalars: set[int], states: dict[Hashable, StateLayout] | None, key: Hashable | None) -> None:
     """The first step: the state made from ``states[key]`` where a first step of this key left one that can be
     remade, else a real update by ``updater`` (the optimizer, or the step of fp32 master weights around it) on
     stand-in gradients of ``trainable``, its state kept in ``states`` for the next fake run. ``updated``: the tensors
@@ -81,7 +81,7 @@ def _stand_in_step(optimizer: Any, trainable: list[nn.Parameter], tracer: StepTr
     optimizer.zero_grad(set_to_none=True)
 
 
-def state_layout(optimizer: torch.optim.Optimizer, updated: list[nn.Parameter]) -> Layout | None:
+def state_layout(optimizer: torch.optim.Optimizer, updated: list[nn.Parameter]) -> StateLayout | None:
     """The state ``optimizer`` holds for each of ``updated``, as specs to remake it from; None where some of it
     cannot be remade exactly (see the module's documentation)."""
     if len(optimizer.state) > len(updated):  # state kept for something else than the parameters

@@ -15,31 +15,23 @@ import torch
 from torch import nn
 
 from ...engine.phases import PHASE_CATEGORY, Phase, phase_category
-from ...engine.registry import LiveStorages
+from ...engine.scan.registry import LiveStorages
+from ..device.autocast import CudaAutocastMode, cuda_autocast
+from ..device.sdpa import CudaAttention, CudaKernelMode
+from ..fake.convert import call_model, from_specs, has_lazy, materialize_lazy, resize, size_of, tensors_in
+from ..fake.frameworks import enable_checkpointing, estimating, not_tracing
+from ..fake.lora import adapt_linear_layers
+from ..fake.quantize import count_parameters, parameter_labels
+from ..fake.request import Request
+from ..fake.scripted import has_scripted
 from ..options import Options
-from ..target.attention import CudaAttention, CudaKernelMode
-from ..target.autocast import CudaAutocastMode, cuda_autocast
 from ..torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode
 from ..tracing.errors import EstimateError, failure_message
-from ..tracing.fake import (
-    call_model,
-    from_specs,
-    has_lazy,
-    materialize_lazy,
-    resize,
-    size_of,
-    tensors_in,
-)
-from ..tracing.frameworks import enable_checkpointing, estimating, not_tracing
-from ..tracing.lora import adapt_linear_layers
-from ..tracing.loss import describe_loss, stand_in_loss
-from ..tracing.optimizers import is_fused, make_optimizer
-from ..tracing.quantize import count_parameters, parameter_labels
-from ..tracing.request import Request
-from ..tracing.scripted import has_scripted
-from ..tracing.traced import Trace
+from ..tracing.traced import FakeRun
 from ..tracing.tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
 from .first_step import claim_state, run_first_step, state_key
+from .loss import describe_loss, stand_in_loss
+from .optimizers import is_fused, make_optimizer
 
 
 def checkpoint_units(model: nn.Module) -> list[nn.Module]:
@@ -58,7 +50,7 @@ def checkpoint_units(model: nn.Module) -> list[nn.Module]:
 
 
 def trace_step(request: Request, opts: Options, sdpa: tuple[tuple[int, int], bool] | None = None,
-               states: dict[Any, Any] | None = None) -> Trace:
+               states: dict[Any, Any] | None = None) -> FakeRun:
     """The fake run; ``sdpa``: ``(compute capability, whether the GPU was named)`` to run attention as the CUDA
     kernels do (:func:`.cuda_attention.target_capability`), ``None`` to keep the CPU's; ``states``: the optimizer
     state that earlier fake runs of the same workload left after their first step (``first_step.py``), read and
@@ -80,7 +72,7 @@ def trace_step(request: Request, opts: Options, sdpa: tuple[tuple[int, int], boo
 
 
 def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float, sdpa: Any,
-           states: dict[Any, Any] | None = None) -> Trace:
+           states: dict[Any, Any] | None = None) -> FakeRun:
     from ..layouts.rank_trace import rank_trace
 
     step = _FakeStep(request, opts, mode, rank_trace(opts))
@@ -89,7 +81,8 @@ def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float, sdp
     step.prepare()
     if sdpa is not None:
         step.tracer.attention = CudaAttention(*sdpa)
-    step.autocast = cuda_autocast(opts.device, opts.amp)  # amp= for CUDA: CUDA's op lists (target/autocast.py)
+    step.autocast = cuda_autocast(opts.device, opts.amp)  # amp= for CUDA: CUDA's op lists
+                                                          # (estimator/device/autocast.py)
     with step.autocast if step.autocast is not None else contextlib.nullcontext():
         step.run()
     return step.result(t0)
@@ -128,7 +121,7 @@ class _FakeStep:
         self.last_flops: list[int] = []
         self.n_micro = 1 if opts.inference else min(opts.accumulate, 2)
         self.ops_start = 0  # the op log's row where the last step starts
-        self.autocast: Any = None  # CUDA's autocast policy (target/autocast.py), for amp= estimates for CUDA
+        self.autocast: Any = None  # CUDA's autocast policy (estimator/device/autocast.py), for amp= estimates for CUDA
         self.states: dict[Any, Any] | None = None  # the optimizer state earlier runs' first steps left (first_step.py)
 
     # --- the model and its inputs on fake tensors -------------------------------------------------------------
@@ -205,7 +198,8 @@ class _FakeStep:
         return entry.serial
 
     def _runner(self) -> Any:
-        """What the step calls: the model, with its compiled parts compiled again on the fake copy (compiled.py)."""
+        """What the step calls: the model, with its compiled parts compiled again on the fake copy
+        (``tracing/compiled/backend.py``)."""
         if not self.compiled:
             return self.model
         from ..tracing.compiled.backend import EAGER_NOTE, NOTE, recompile, supported
@@ -323,7 +317,7 @@ class _FakeStep:
         return loss
 
     # --- the plain numbers ------------------------------------------------------------------------------------
-    def result(self, t0: float) -> Trace:
+    def result(self, t0: float) -> FakeRun:
         import time
 
         opts, tracer, owner = self.opts, self.tracer, self.owner
@@ -343,7 +337,7 @@ class _FakeStep:
             "backward": int(step_flops[BACKWARD] * scale),
             "optimizer": int(step_flops[OPTIMIZER]),
         }
-        return Trace(
+        return FakeRun(
             sizes=sizes, owner=owner, module=module, events=tracer.events,
             initial=tuple(tracer.initial) + tuple(tracer.late), marks=self.marks, flops=flops,
             convs=tracer.convs, copies=tracer.copies, rnns=tracer.rnns, gemms=tracer.gemms,

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..explore.search import bisected
-from ..explore.whatif import what_if
+from ..device import Target
+from ..device.sdpa import target_capability
+from ..fake.request import Request
+from ..followups.search import bisected
+from ..followups.whatif import what_if
 from ..options import Options
 from ..replay import from_trace
 from ..result import Candidate, StepEstimate, Strategy
-from ..target import Target
-from ..target.attention import target_capability
 from ..tracing.kept import KeptTraces
-from ..tracing.request import Request
-from ..tracing.traced import Trace
+from ..tracing.traced import FakeRun
 from .candidates import candidates
 from .trace import trace_step
 
@@ -30,7 +30,7 @@ class StepWorkload:
 
     def __init__(self, request: Request, target: Target) -> None:
         self.request, self.target = request, target
-        self._traces: KeptTraces[Trace] = KeptTraces(KEPT_TRACES)
+        self._traces: KeptTraces[FakeRun] = KeptTraces(KEPT_TRACES)
         self._states: dict[Any, Any] = {}  # the optimizer state the first fake run's first step left (first_step.py)
 
     @property
@@ -38,7 +38,7 @@ class StepWorkload:
         """Fake runs made (the rest of the estimates were replays)."""
         return self._traces.made
 
-    def trace(self, opts: Options) -> Trace:
+    def trace(self, opts: Options) -> FakeRun:
         """The fake run for ``opts``, made once per configuration that changes it (:meth:`Options.trace_key`, and the
         GPU's compute capability, which chooses CUDA's attention kernels)."""
         sdpa = target_capability(opts.device, self.target.gpu)

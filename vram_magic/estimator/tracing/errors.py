@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from .fake import TensorSpec, is_named_tuple, takes_one
+from ..fake.convert import TensorSpec, is_named_tuple, takes_one
 from .tracer import BACKWARD, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD
 
 

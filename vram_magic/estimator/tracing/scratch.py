@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ...engine.allocator import quiet_stderr
+from ...engine.profiler.recorder import quiet_stderr
 
 
 def conv_scratch(convs: list[tuple[int, Any, Any]]) -> dict[int, int]:

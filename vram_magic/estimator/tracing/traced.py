@@ -12,7 +12,7 @@ from .oplog import OpLog
 
 
 @dataclass
-class Trace:
+class FakeRun:
     """Plain numbers from one fake run (no tensors)."""
 
     sizes: dict[int, int]

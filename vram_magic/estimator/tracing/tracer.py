@@ -13,14 +13,15 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from ...engine.observer import TrackerObserver
-from ...engine.op_kinds import aliases, is_composite, run_decomposed
 from ...engine.phases import PHASE_NAMES, Phase
-from ...engine.registry import Entry, LiveStorages
-from ...engine.scratch_ops import gemm_copies
+from ...engine.scan.registry import Entry, LiveStorages
 from ...engine.torch_private import never_compiled
-from ...engine.tracker import Tracker
-from ..target.attention import BACKWARD_OPS, SDPA, CudaAttention, call_with
+from ...engine.tracker.mode import Tracker
+from ...engine.tracker.observer import TrackerObserver
+from ...engine.tracker.op_kinds import aliases, is_composite, run_decomposed
+from ...engine.tracker.scratch_ops import gemm_copies
+from ..device.sdpa import BACKWARD_OPS, SDPA, CudaAttention, call_with
+from ..fake.known_values import answer, propagate
 from ..torch_private import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -28,7 +29,6 @@ from ..torch_private import (
     pop_mode,
     push_mode,
 )
-from .known_values import answer, propagate
 from .oplog import OpLog, Traits, op_traits
 
 # The stages of a traced step (engine/phases.py holds every phase), under the names they always had here
@@ -146,7 +146,7 @@ class StepTracer(Tracker):
         self.gemms: list[tuple[int, Any, Any]] = []  # (events so far, op, strided argument specs): half GEMMs
         self.matmul = False  # cuBLAS would be used (and allocate its workspace) on CUDA
         self.ops = OpLog()  # every op's stage, kind, dtype, FLOPs and bytes moved, for the time model
-        # set for a CUDA estimate: SDPA runs as the CUDA kernel PyTorch would pick (cuda_attention.py)
+        # set for a CUDA estimate: SDPA runs as the CUDA kernel PyTorch would pick (estimator/device/sdpa.py)
         self.attention: CudaAttention | None = None
         self.scratching = False  # set while a CUDA attention backward runs with its kernel's scratch alive
 

@@ -9,13 +9,13 @@ gradient dies) — but instead of generating kernels it runs the partitioned for
 op on fake tensors, with what Inductor's kernels do to memory on top:
 
 * which pointwise values are written to memory at all, as Inductor's lowering and fusion decide it (see
-  ``compiled_fusion.py``): the others live inside the kernels that read them, and what they read stays alive
+  ``fusion.py``): the others live inside the kernels that read them, and what they read stays alive
   until a kernel that recomputes them after a matmul has run;
 * a kernel writes in place into a buffer of the same size that it reads for the last time (the saved
   activations are donated to the backward);
 * a dead buffer that a later kernel of the same size takes stays allocated until then when the graph's own
   peak allows it (Inductor's memory planning);
-* on the CPU, graphs with convolutions run channels-last (``compiled_layout.py``);
+* on the CPU, graphs with convolutions run channels-last (``layout.py``);
 * every other value is freed after its last use (the graph's inputs too, as Inductor's boxed calling
   convention allows).
 

@@ -1,0 +1,81 @@
+"""``python -m vram_magic estimate package.module:build_model --shape 3,224,224 --batch 32 --gpu T4``.
+
+The same options as ``%vram_estimate`` (one list, ``arguments.OPTIONS``), read the same way: MODEL,
+``--input``, ``--loss`` and ``--optimizer`` take ``module:attribute`` or an expression using ``torch``.
+Exit status: 0 when the step fits (or no capacity was given), 1 when it does not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .arguments import OPTIONS, build, parse_error_hint
+
+
+class Parser(argparse.ArgumentParser):
+    """A command line's parser whose errors carry the advice to quote an expression split at its spaces."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {parse_error_hint(message)}\n")
+
+
+def parser_for(prog: str, doc: str | None, options: list[tuple[tuple[str, ...], dict[str, Any]]],
+               json_help: str) -> argparse.ArgumentParser:
+    """``python -m vram_magic PROG``'s parser: ``options`` (the list its magic reads too) and ``--json``."""
+    p = Parser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for flags, kwargs in options:
+        p.add_argument(*flags, **kwargs)
+    p.add_argument("--json", action="store_true", help=json_help)
+    return p
+
+
+def parser() -> argparse.ArgumentParser:
+    return parser_for("python -m vram_magic estimate", __doc__, OPTIONS, "print the numbers as JSON instead of the "
+                      "report")
+
+
+def main(argv: list[str]) -> int:
+    import torch
+
+    from .. import EstimateError, estimate
+
+    args = parser().parse_args(argv)
+    search = "max-seq" if args.max_seq and not args.max_batch else "max-batch"  # what the progress lines search
+    try:
+        model, inputs, kwargs = build(args, {"torch": torch})
+        progress = None if args.json else (lambda msg: print(f"{search}: trying {msg}", file=sys.stderr))
+        est = estimate(model, inputs, progress=progress, **kwargs)
+    except (ValueError, TypeError, EstimateError) as err:
+        print(f"vram_magic estimate: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(_as_json(est), indent=2))
+    else:
+        print(est)
+    return 1 if est.fits is False else 0
+
+
+def _as_json(est: Any) -> dict[str, Any]:
+    """The estimate's numbers as JSON: every estimate's, then its workload's own (a step's model states, loss and
+    longest sequence; a generate() call's facts and longest prompt)."""
+    import dataclasses
+
+    from ..result import GenerateEstimate
+
+    out: dict[str, Any] = {
+        "peak": est.peak.as_dict(), "peak_total": est.peak.total, "needed": est.needed,
+        "after_forward": est.after_forward.as_dict(), "capacity": est.capacity, "fits": est.fits,
+        "notes": list(est.notes), "max_batch": est.max_batch,
+        "flops": dict(est.flops), "partial": est.partial, "problem": est.problem,
+        "what_if": [{"strategy": s.name, "peak": s.peak, "needed": s.needed, "compute": s.compute}
+                    for s in est.strategies],
+    }
+    if isinstance(est, GenerateEstimate):
+        out.update(generation=dataclasses.asdict(est.generation), max_prompt=est.max_prompt)
+    else:
+        out.update(model_states=est.model_states, loss=est.loss, max_seq=est.max_seq, generation=None)
+    return out
