@@ -190,8 +190,8 @@ def test_no_circle_counting_render_methods_type_only_imports_aside() -> None:
     # the report and its renderers: render/*.py take Breakdown and CATEGORIES from core/breakdown.py and name CellReport
     # only for annotations, so report -> render (its render methods) -> report is no circle
     edges = graph(render_methods_count=True)
-    assert "vram_magic.measure.render.timeline" in edges["vram_magic.measure.report"]
-    assert "vram_magic.measure.report" not in edges.get("vram_magic.measure.render.text", ())
+    assert "vram_magic.measuring.render.timeline" in edges["vram_magic.measuring.report"]
+    assert "vram_magic.measuring.report" not in edges.get("vram_magic.measuring.render.text", ())
     assert_only_known(map(frozenset, cycles(edges)), KNOWN_RENDER_CIRCLES, "import circles")
 
 
@@ -258,7 +258,7 @@ def test_no_module_only_reexports_another_s_names() -> None:
 
 
 # --- the map of the house: folders introduced by their __init__, paths named that exist ------------------------------
-FEATURES = ("measure", "session", "render", "estimator", "magics", "ranks", "lab")
+FEATURES = ("measuring", "session", "render", "estimator", "magics", "ranks", "lab")
 
 
 def test_the_engine_imports_no_feature_and_the_core_no_torch() -> None:

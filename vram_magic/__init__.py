@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 from .core.breakdown import CATEGORIES, Breakdown
 from .core.device_stats import DeviceStats
 from .core.units import format_bytes, parse_size
-from .measure.report import Advice, CellReport, OomInfo
+from .measuring.report import Advice, CellReport, OomInfo
 
 if TYPE_CHECKING:
-    from .measure.measurement import Measurement
+    from .measuring.measurement import Measurement
 
 __version__ = "0.1.0"
 
@@ -37,11 +37,11 @@ __all__ = [
 
 
 def measure(device: Any = None, **kwargs: Any) -> Measurement:
-    """``with vram_magic.measure() as m: ...`` — see :func:`vram_magic.measure.measurement.measure`."""
+    """``with vram_magic.measure() as m: ...`` — see :func:`vram_magic.measuring.measurement.measure`."""
     import sys
 
     from .engine.scan.frame_namespace import FrameNamespace
-    from .measure.measurement import measure as _measure
+    from .measuring.measurement import measure as _measure
 
     if kwargs.get("namespace") is None:
         kwargs["namespace"] = FrameNamespace(sys._getframe(1))

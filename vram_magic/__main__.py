@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "demo":
-        from .measure.demo import run_demo
+        from .measuring.demo import run_demo
 
         run_demo()
         return 0

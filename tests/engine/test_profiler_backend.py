@@ -12,7 +12,7 @@ import torch
 import vram_magic
 from vram_magic.engine.profiler.recorder import FORWARD, AllocatorRecorder, MemoryEvent, Recording, replay
 from vram_magic.engine.scan.registry import LiveStorages
-from vram_magic.measure.measurement import Measurement
+from vram_magic.measuring.measurement import Measurement
 
 MiB = 1 << 20
 N = 1 << 20  # floats: 4 MiB

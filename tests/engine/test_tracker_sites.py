@@ -126,3 +126,16 @@ def test_a_gemms_copies_are_worked_out_once_per_layout():
     _, few = _mlp_steps(1)
     _, many = _mlp_steps(6)
     assert 0 < few == many <= 8  # the forward's three addmm, the backward's mm: the same layouts every step
+
+
+def test_no_frame_of_the_package_is_the_users_wherever_its_module_lies():
+    """The package's own folders, at any depth, are never the user's code (a site, or the frame a traceback ends at)."""
+    import vram_magic.engine.tracker.frames as frames
+    import vram_magic.estimator.run as run
+    from vram_magic.measuring import measurement
+    from vram_magic.session import state
+
+    for code in (measurement.measure.__code__, run.run_estimate.__code__, state.Session.__init__.__code__,
+                 frames.user_site.__code__):
+        assert not frames.is_user_code(code)
+    assert frames.is_user_code(test_no_frame_of_the_package_is_the_users_wherever_its_module_lies.__code__)

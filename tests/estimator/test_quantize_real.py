@@ -21,7 +21,7 @@ from torch import nn
 
 import vram_magic
 from vram_magic.engine.scan.registry import LiveStorages
-from vram_magic.measure.measurement import Measurement
+from vram_magic.measuring.measurement import Measurement
 
 TARGET = 0.02
 

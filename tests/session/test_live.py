@@ -14,8 +14,8 @@ import torch
 
 import vram_magic
 from vram_magic.core.units import format_bytes
-from vram_magic.measure.render.html import live_html
-from vram_magic.measure.render.text import live_text
+from vram_magic.measuring.render.html import live_html
+from vram_magic.measuring.render.text import live_text
 from vram_magic.session.live import LiveView, polled_allocated, session_scale
 
 
@@ -126,7 +126,7 @@ def test_polling_never_touches_cuda_on_the_cpu_or_before_initialisation() -> Non
 
 def test_a_backend_that_knows_its_numbers_only_at_the_end() -> None:
     """The allocator backend: no numbers while running; on CUDA the view shows ``memory_allocated`` instead."""
-    from vram_magic.measure.live_status import LiveStatus
+    from vram_magic.measuring.live_status import LiveStatus
 
     status = LiveStatus(device="cuda:0", backend="allocator", elapsed=2.5, phase="")
     text = live_text(status, cell=3)

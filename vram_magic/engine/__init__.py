@@ -1,4 +1,4 @@
-"""The machinery both features run on: measuring a block of code (``vram_magic/measure/``) and estimating one
+"""The machinery both features run on: measuring a block of code (``vram_magic/measuring/``) and estimating one
 (``vram_magic/estimator/``). Nothing here imports a feature.
 
 * ``tracker/`` — the dispatch mode that sees every tensor an op returns, and the parts it is made of;

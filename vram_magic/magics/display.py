@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .checks import Host, warn
 
 if TYPE_CHECKING:
-    from ..measure.report import CellReport
+    from ..measuring.report import CellReport
     from ..session.live import LiveView
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -55,7 +55,7 @@ def with_view(text: str, html: str, *, widget: bool, max_width: str = "64em",
 
 def report_view(report: CellReport, *, widget: bool = False, session_scale: int | None = None) -> dict[str, Any]:
     """What ``%%vram`` displays: the report's static HTML and text, with ``widget`` the widget view in front."""
-    from ..measure.render.widget import report_bundle
+    from ..measuring.render.widget import report_bundle
 
     bundle = report_bundle(report, session_scale=session_scale)
     return with_view(bundle["text/plain"], bundle["text/html"], widget=widget)
@@ -74,7 +74,7 @@ def show_report(host: Host, report: CellReport, *, timeline: bool = False, live:
     else:
         display(bundle, raw=True)
     if timeline:
-        from ..measure.render.timeline import timeline_bundle
+        from ..measuring.render.timeline import timeline_bundle
 
         display(timeline_bundle(report), raw=True)
 

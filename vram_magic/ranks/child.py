@@ -110,7 +110,7 @@ class _RankRun:
 
         from ..engine.cuda import device as cuda
         from ..engine.scan.registry import LiveStorages
-        from ..measure.measurement import Measurement
+        from ..measuring.measurement import Measurement
 
         self.folder = folder
         self.rank = dist.get_rank()
@@ -173,7 +173,7 @@ def _partial_report(m: Any) -> Any:
     """A report from what a running measurement knows (its live status): the split now, the peak so far."""
     from ..core.breakdown import Breakdown
     from ..engine.scan.frame_namespace import add_other
-    from ..measure.report import CellReport
+    from ..measuring.report import CellReport
 
     status = m.status()
     if status is None or status.breakdown is None:

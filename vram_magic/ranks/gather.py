@@ -21,14 +21,14 @@ from datetime import timedelta
 from typing import Any
 
 from ..engine.torch_private import group_store_entry
-from ..measure.report import CellReport
+from ..measuring.report import CellReport
 from .result import RankReport, RankReports, rank_report
 
 DEFAULT_TIMEOUT = 300.0
 
 
 def _as_rank_report(report: Any, rank: int, world: int, backend: str) -> RankReport:
-    from ..measure.measurement import Measurement
+    from ..measuring.measurement import Measurement
 
     if isinstance(report, RankReport):
         return report

@@ -1,6 +1,7 @@
 """A rank's report as plain JSON and back: what crosses a process boundary (a gather, a file per rank).
 
-Everything in a :class:`~vram_magic.measure.report.CellReport` is plain numbers and strings except its allocation trace,
+Everything in a :class:`~vram_magic.measuring.report.CellReport` is plain numbers and strings except its allocation
+trace,
 which stays in the rank (it can hold millions of events); what the trace answers that a per-rank view shows —
 the lines and modules alive at the peak — travels precomputed instead.
 """
@@ -14,7 +15,7 @@ from typing import Any
 
 from ..core.breakdown import CATEGORIES, Breakdown
 from ..core.device_stats import DeviceStats
-from ..measure.report import Advice, CellReport, OomInfo
+from ..measuring.report import Advice, CellReport, OomInfo
 
 FORMAT = "vram_magic.rank/1"
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from ..core.breakdown import CATEGORIES, Breakdown
 from ..core.rendered import Rendered
-from ..measure.report import CellReport
+from ..measuring.report import CellReport
 from .payload import FORMAT, dumps, loads, report_from_dict, report_to_dict
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ CIE76 distance between any two of them is about 29 for normal vision and for sim
 deuteranopia and tritanopia (Machado et al. 2009), where the earlier palette fell to 7; the KV cache's dark
 green is at least 31 from each of the other five under all four. Each also stands off
 both a white and a near-black background, so the bars read in light and dark themes
-(``tests/measure/test_render.py`` checks both properties).
+(``tests/measuring/test_render.py`` checks both properties).
 """
 
 COLORS = {

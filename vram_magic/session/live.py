@@ -47,7 +47,8 @@ def polled_allocated(device: str) -> int | None:
 class LiveView:
     """Shows ``render(status)`` every ``interval`` seconds once ``delay`` seconds have passed.
 
-    ``status()`` returns the current :class:`~vram_magic.measure.live_status.LiveStatus` (``None`` when the block is not
+    ``status()`` returns the current :class:`~vram_magic.measuring.live_status.LiveStatus` (``None`` when the block is
+    not
     running). Call :meth:`stop` before the measurement ends, then :meth:`finish` with the final bundle.
     """
 
@@ -147,10 +148,10 @@ def session_scale(history: Any, device: str) -> int | None:
 def cell_view(m: Any, history: Any, *, delay: float = 1.0, interval: float = 0.25,
               publish: Publisher = ipython_publisher) -> LiveView:
     """The live view (not started) of the measurement ``m`` (a running
-    :class:`~vram_magic.measure.measurement.Measurement`), its bars on the scale of the session's ``history``."""
+    :class:`~vram_magic.measuring.measurement.Measurement`), its bars on the scale of the session's ``history``."""
     from ..engine.cuda import device as cuda
-    from ..measure.render.html import live_html
-    from ..measure.render.text import live_text
+    from ..measuring.render.html import live_html
+    from ..measuring.render.text import live_text
 
     device = m.device
     budget = getattr(m, "budget", None)

@@ -14,12 +14,12 @@ from ..core.breakdown import Breakdown
 from ..core.device_stats import DeviceStats
 from ..core.rendered import Rendered
 from ..core.units import parse_size
-from ..measure.report import CellReport
+from ..measuring.report import CellReport
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ..measure.measurement import Measurement
+    from ..measuring.measurement import Measurement
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,12 @@ class MemoryNow(Rendered):
     notes: tuple[str, ...] = ()
 
     def _text(self) -> str:
-        from ..measure.render.text import now_text
+        from ..measuring.render.text import now_text
 
         return now_text(self)
 
     def _html(self) -> str:
-        from ..measure.render.html import now_html
+        from ..measuring.render.html import now_html
 
         return now_html(self)
 
@@ -68,7 +68,7 @@ class Session:
     def start(self, device: Any = None, *, budget: int | str | None = None, cell: int | None = None,
               source: str = "", backend: str = "auto") -> Measurement:
         """Begin measuring; ``finish`` ends it. Refuses to nest."""
-        from ..measure.measurement import Measurement
+        from ..measuring.measurement import Measurement
 
         if self.active is not None:
             raise RuntimeError("a measurement is already running in this session (nested %%vram is not supported; "

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.breakdown import shown_categories
 from ..core.units import format_bytes
-from ..measure.report import CellReport
+from ..measuring.report import CellReport
 
 if TYPE_CHECKING:
     import pandas as pd

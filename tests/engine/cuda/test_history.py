@@ -6,7 +6,7 @@ from __future__ import annotations
 from tests.support.cuda_shapes import AFTER, BEFORE, CELL, END, S1, A, MiB, e, segments, stats
 from vram_magic.engine.cuda.device import device_usage, touched
 from vram_magic.engine.cuda.history import cell_window, end_blocks, expected_entries, replay_blocks
-from vram_magic.measure.snapshot import replay
+from vram_magic.measuring.snapshot import replay
 
 
 def test_counters_say_how_many_entries_the_cell_wrote():

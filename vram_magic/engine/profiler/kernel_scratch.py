@@ -150,7 +150,7 @@ class ScratchOps:
 
     def scratch_init(self) -> None:
         # the recorder of the allocator's events, started by the first timed op (set by the block that measures:
-        # measure/measurement.py), and each timed call's window
+        # measuring/measurement.py), and each timed call's window
         self.scratch: ScratchRecorder | None = None
         self.windows: list[Window] = []
 

@@ -36,7 +36,7 @@ MAX_OBJECTS = 200_000
 @dataclass(frozen=True)
 class Group:
     """The storages of one big container read at C speed (containers.py), claimed as a whole: a measured cell
-    counts them by their sum, without a look at each, while the container is unchanged (measure/measurement.py)."""
+    counts them by their sum, without a look at each, while the container is unchanged (measuring/measurement.py)."""
 
     found: Found
     owner: tuple[str, str]

@@ -64,7 +64,7 @@ class StorageCounts:
             initial = {e.serial: e.size for _, e in registry.entries(device)}
         self.initial = initial
         # (first serial of the block, bytes): storages alive at the start that `initial` leaves out, counted as a
-        # whole (the big containers of a scan, measure/measurement.py); each one freed is named in `grouped_freed`
+        # whole (the big containers of a scan, measuring/measurement.py); each one freed is named in `grouped_freed`
         self.grouped_below, self.grouped_bytes = grouped
         self.grouped_freed: dict[int, int] = {}  # serial -> key
         self.current = sum(initial.values()) + self.grouped_bytes

@@ -8,6 +8,8 @@ import sysconfig
 from types import CodeType, FrameType
 from typing import Any
 
+#: this package's folder: its frames are never the user's
+PACKAGE_DIR = os.path.dirname(os.path.abspath(sys.modules[__name__.split(".")[0]].__file__ or ""))
 _OWN_PREFIXES: list[str] = []
 _is_user: dict[int, tuple[bool, CodeType]] = {}
 
@@ -16,7 +18,7 @@ def _prefixes() -> list[str]:
     if not _OWN_PREFIXES:
         import torch
 
-        dirs = [os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__))]
+        dirs = [os.path.dirname(torch.__file__), PACKAGE_DIR]
         for name in ("stdlib", "platstdlib"):
             path = sysconfig.get_paths().get(name)
             if path:

@@ -3,16 +3,13 @@ traceback ended at the user's last frame with the finished frames' locals releas
 
 from __future__ import annotations
 
-import os
 from types import FrameType, TracebackType
 from typing import Any
 
 import torch
 
 from ..tensors import storage_parts
-from .frames import is_user_code
-
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # vram_magic/
+from .frames import PACKAGE_DIR, is_user_code
 
 
 def release_traceback(tb: TracebackType) -> None:
@@ -61,7 +58,7 @@ def _release(tb: TracebackType) -> None:
             rest = rest.tb_next
     t = tb
     while t is not None:
-        if not t.tb_frame.f_code.co_filename.startswith(_OWN_DIR):
+        if not t.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
             _clear(t)
         t = t.tb_next
 

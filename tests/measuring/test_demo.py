@@ -6,7 +6,7 @@ import io
 import subprocess
 import sys
 
-from vram_magic.measure.demo import run_demo
+from vram_magic.measuring.demo import run_demo
 
 P = (1024 * 4096 + 4096 + 4096 * 1024 + 1024) * 4  # the demo's two Linear layers, float32
 

@@ -1,4 +1,4 @@
-"""From a finished block to its :class:`~vram_magic.measure.report.CellReport`: the trace (``cell_trace``), before,
+"""From a finished block to its :class:`~vram_magic.measuring.report.CellReport`: the trace (``cell_trace``), before,
 after and the peak split by category, reconciled on CUDA with what the allocator itself holds, the out-of-memory
 details, the notes and the advice.
 

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from tests.support import run_ok, skip_module_without_transformers_5
-from vram_magic.measure.snapshot import replay
+from vram_magic.measuring.snapshot import replay
 
 skip_module_without_transformers_5()
 transformers = pytest.importorskip("transformers")

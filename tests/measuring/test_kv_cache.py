@@ -14,8 +14,8 @@ import vram_magic
 from tests.support import run_ok, skip_module_without_transformers_5
 from vram_magic.engine.hooks import generation
 from vram_magic.engine.hooks.kv_cache import is_kv_cache, kv_cache_bytes, kv_cache_tensors
-from vram_magic.measure.render.html import live_html
-from vram_magic.measure.render.text import live_text
+from vram_magic.measuring.render.html import live_html
+from vram_magic.measuring.render.text import live_text
 
 skip_module_without_transformers_5()
 transformers = pytest.importorskip("transformers")
@@ -274,7 +274,7 @@ def test_generate_under_the_cell_magic(shell, tmp_path):
 
 
 def test_timeline_shows_prefill_and_decode_steps(shell):
-    from vram_magic.measure.render.timeline import decode_steps, phase_runs, text_boxes
+    from vram_magic.measuring.render.timeline import decode_steps, phase_runs, text_boxes
 
     run_ok(shell, MODEL)
     run_ok(shell, f"%%vram -q -o r\n{GENERATE}")

@@ -12,8 +12,8 @@ from IPython.utils.capture import capture_output
 
 from tests.support import run, run_ok
 from vram_magic import Breakdown, CellReport, DeviceStats
-from vram_magic.measure.advice import advise
-from vram_magic.measure.snapshot import replay
+from vram_magic.measuring.advice import advise
+from vram_magic.measuring.snapshot import replay
 
 MiB = 1024**2
 F32 = 4

@@ -18,9 +18,9 @@ from IPython.utils.capture import capture_output
 import vram_magic
 from tests.support import run, run_ok
 from vram_magic.core.breakdown import CATEGORIES
-from vram_magic.measure.render.html import report_html, report_scale
-from vram_magic.measure.render.text import report_text
-from vram_magic.measure.render.widget import report_bundle
+from vram_magic.measuring.render.html import report_html, report_scale
+from vram_magic.measuring.render.text import report_text
+from vram_magic.measuring.render.widget import report_bundle
 from vram_magic.render import COLORS
 from vram_magic.render.bars import ZOOM_FRACTION, scale_for
 
@@ -242,7 +242,7 @@ def test_timeline_phase_bands_labels_apart_and_transparent(model_and_data: dict)
 
     from matplotlib.image import imread
 
-    from vram_magic.measure.render.timeline import figure_png, phase_runs, text_boxes
+    from vram_magic.measuring.render.timeline import figure_png, phase_runs, text_boxes
 
     ns = model_and_data
     with vram_magic.measure(namespace=ns, budget="64MiB") as m:

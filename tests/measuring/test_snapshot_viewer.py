@@ -82,7 +82,7 @@ def test_cell_snapshot_is_readable_by_pytorchs_viewer(tmp_path):
     assert {"activations", "gradients", "optimizer_state", "unknown"} <= categories
     assert sum(1 for e in events if e["action"] == "alloc") > 0
     # the marker that carries 'unknown' changes no memory: the export replays to the same peak
-    from vram_magic.measure.snapshot import replay
+    from vram_magic.measuring.snapshot import replay
 
     without_marker = {**snap, "device_traces": [[e for e in events if e["action"] != "snapshot"]]}
     assert replay(snap) == replay(without_marker)
