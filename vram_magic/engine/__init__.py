@@ -10,5 +10,6 @@
 * ``cuda/`` — what only a CUDA device answers: the device around a block, the caching allocator's history, rules and
   settings, out-of-memory messages;
 * ``phases.py`` — the phases of a step, and what memory made in each counts as; ``tensors.py`` — the storages behind
-  a tensor of any kind; ``torch_private.py`` — every private name of PyTorch's that the engine uses.
+  a tensor of any kind; ``after_import.py`` — something run once a module is first imported; ``torch_private.py`` —
+  every private name of PyTorch's that the engine uses.
 """

@@ -62,16 +62,12 @@ PHASE_CATEGORY: dict[int, tuple[str, str]] = {
 # While a measured block runs: what memory made in each phase counts as in the live view (before the end-of-block
 # scan tells which of it became gradients or optimizer state).
 LIVE_PHASE_CATEGORY: dict[int, tuple[str, str]] = {
+    **PHASE_CATEGORY,
     Phase.CELL: ("other", "made by the cell's code"),
-    Phase.FORWARD: ("activations", "forward intermediates"),
     Phase.BACKWARD: ("activations", "made during backward"),
     Phase.OPTIMIZER: ("other", "made by the optimizer step"),
-    Phase.INFERENCE: ("activations", "forward intermediates (no grad)"),
     Phase.PREFILL: ("activations", "made by the prefill"),
     Phase.DECODE: ("activations", "made by the decode steps"),
-    Phase.KV_UPDATE: KV_MADE,
-    Phase.LOSS: ("activations", "loss"),
-    Phase.ZERO_GRAD: ("other", "zero_grad temporaries"),
 }
 
 

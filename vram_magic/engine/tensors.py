@@ -87,6 +87,15 @@ def is_wrapper(t: Any) -> bool:
         return True
 
 
+def returned_tensors(out: Any) -> tuple[Any, ...] | list[Any]:
+    """The tensors an op returned: ``out`` itself, or those of a tuple or list it returned."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)):
+        return [o for o in out if isinstance(o, torch.Tensor)]
+    return ()
+
+
 def grad_fn(t: Any) -> Any:
     try:
         return t.grad_fn

@@ -13,20 +13,21 @@ from ..engine.scan.attribution import Scan
 from ..engine.scan.categories import KV_SAME_LINE, PHASE_CATEGORY, UNATTRIBUTED, UNSCOPED, kv_cache_sites
 from ..engine.scan.registry import LiveStorages
 from ..engine.scan.summed import Counted
+from ..engine.tracker.counts import StorageCounts
 from ..engine.tracker.frames import SiteNamer
-from ..engine.tracker.mode import FORWARD, PHASE_NAMES, Tracker
+from ..engine.tracker.mode import FORWARD, PHASE_NAMES
 
 
-def alive_tracked(counted: Counted, tracker: Tracker) -> dict[int, int]:
+def alive_tracked(counted: Counted, counts: StorageCounts) -> dict[int, int]:
     """serial → key of every storage alive now; storages that appeared without passing through dispatch
     (``torch.from_numpy``, compiled kernels) are counted as allocated at the end of the block."""
-    allocs, late, start = tracker.allocs, tracker.late, counted.start_serial
+    allocs, late, start = counts.allocs, counts.late, counted.start_serial
     alive: dict[int, int] = {}
     for key, entry in counted.individually(counted.stable):
         serial = entry.serial
         alive[serial] = key
         if serial >= start and serial not in allocs and serial not in late:
-            tracker.adopt(entry)
+            counts.adopt(entry)
     return alive
 
 
@@ -77,8 +78,8 @@ def live_rows(registry: LiveStorages, device: str, scan: Scan,
     return rows
 
 
-def block_trace(device: str, source: Tracker | ReplayedBlock, scans: tuple[Scan, Scan], alive: Mapping[int, int],
-                expanded: Mapping[int, int], counted: Counted, tracker: Tracker | None,
+def block_trace(device: str, source: StorageCounts | ReplayedBlock, scans: tuple[Scan, Scan], alive: Mapping[int, int],
+                expanded: Mapping[int, int], counted: Counted, counts: StorageCounts | None,
                 cell_files: Mapping[str, int] | None) -> Trace:
     """The block's trace: the storages alive before it (summed where alive throughout), then each allocation with
     its category (the owner the scan after found, else its role or phase), line and module. ``scans``: the
@@ -92,11 +93,11 @@ def block_trace(device: str, source: Tracker | ReplayedBlock, scans: tuple[Scan,
     for g in counted.stable:  # alive throughout, counted as a whole
         base[g.owner] = base.get(g.owner, 0) + g.total
     # the storages of the groups that changed, still alive or freed in the block, go one by one
-    for start in (source.initial, expanded, counted.grouped_freed(tracker), source.late):
+    for start in (source.initial, expanded, counted.grouped_freed(counts), source.late):
         for serial, size in start.items():
             key = alive.get(serial)
             if key is None or serial in freed:
-                cat = category(key, UNATTRIBUTED) if key is not None else counted.before_category(serial, tracker)
+                cat = category(key, UNATTRIBUTED) if key is not None else counted.before_category(serial, counts)
                 blocks[serial] = Block(serial, size, cat[0], cat[1])
                 initial.append(serial)
             else:  # alive throughout: a constant, summed

@@ -119,23 +119,24 @@ class Measurement:
         tracker = self._tracker
         if tracker is None:
             return LiveStatus(device=self.device, backend=self.backend, elapsed=elapsed, phase="")
+        counts, generation = tracker.counts, tracker.generation
         rows = dict(self._before_rows)
-        for serial, size in list(tracker.initial_freed.items()):
-            cat = self._counted.before_category(serial, tracker)
+        for serial, size in list(counts.initial_freed.items()):
+            cat = self._counted.before_category(serial, counts)
             rows[cat] = rows.get(cat, 0) - size
-        for phase, size in enumerate(list(tracker.phase_bytes)):
+        for phase, size in enumerate(list(counts.phase_bytes)):
             if size:
                 cat = LIVE_PHASE_CATEGORY[phase]
                 rows[cat] = rows.get(cat, 0) + size
-        for size in list(tracker.late.values()):
+        for size in list(counts.late.values()):
             rows[UNATTRIBUTED] = rows.get(UNATTRIBUTED, 0) + size
         rows = {k: v for k, v in rows.items() if v > 0}
-        phase = PHASE_NAMES[tracker.last_phase]
-        if tracker.generating:  # inside generate(): its stage, not the cache updates within each step
-            phase = "decode" if tracker.gen_step else "prefill"
-        return LiveStatus(device=self.device, backend="tracker", elapsed=elapsed, phase=phase, now=tracker.current,
-                          peak=tracker.peak, breakdown=Breakdown.from_rows(rows),
-                          step=tracker.gen_step if tracker.generating else 0)
+        phase = PHASE_NAMES[counts.last_phase]
+        if generation.generating:  # inside generate(): its stage, not the cache updates within each step
+            phase = "decode" if generation.gen_step else "prefill"
+        return LiveStatus(device=self.device, backend="tracker", elapsed=elapsed, phase=phase, now=counts.current,
+                          peak=counts.peak, breakdown=Breakdown.from_rows(rows),
+                          step=generation.gen_step if generation.generating else 0)
 
     # --- measuring -------------------------------------------------------------------------------
     def __enter__(self) -> Measurement:
@@ -183,7 +184,7 @@ class Measurement:
                 if self.device == "cpu" and "profile" not in self.source:
                     # kernel scratch (engine/profiler/kernel_scratch.py); a cell that may start PyTorch's profiler
                     # keeps it to itself
-                    self._tracker.scratch = ScratchRecorder()
+                    self._tracker.scratch.recorder = ScratchRecorder()
                 self._stance = eager_while_tracked(self.source)  # compiled code: eagerly, nothing cached
                 self._t0 = time.perf_counter()
                 self._tracker.__enter__()
@@ -244,8 +245,8 @@ class Measurement:
                     tracker.__exit__(exc_type, exc, tb)
                 finally:
                     self._undo_stance()
-                    if tracker.scratch is not None:
-                        roots = tracker.scratch.stop()
+                    if tracker.scratch.recorder is not None:
+                        roots = tracker.scratch.recorder.stop()
             elif recorder is not None:
                 if oom_tb is not None:  # while the allocator is still recorded: the frames' frees are in it
                     self._release(oom_tb)
@@ -293,7 +294,7 @@ class Measurement:
         """Release an out-of-memory traceback's frames (their frees still count as the block's: the tracker hears
         them) and scan the namespace after the block."""
         if tracker is not None:
-            self.registry.on_free = tracker.on_free
+            self.registry.on_free = tracker.counts.on_free
         try:
             if oom_tb is not None:
                 self._release(oom_tb)

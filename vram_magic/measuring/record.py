@@ -24,6 +24,7 @@ from ..engine.scan.categories import UNATTRIBUTED, holder_name
 from ..engine.scan.frame_namespace import add_other
 from ..engine.scan.registry import LiveStorages
 from ..engine.scan.summed import Counted
+from ..engine.tracker.counts import StorageCounts
 from ..engine.tracker.frames import SiteNamer
 from ..engine.tracker.mode import PHASE_NAMES, Tracker
 from .cell_trace import alive_replayed, alive_tracked, block_trace, live_rows
@@ -73,17 +74,18 @@ class BlockEnd:
 def kernel_scratch_notes(tracker: Tracker, roots: Any) -> list[str]:
     """What the CPU kernels of the block's ops allocated inside themselves, into the tracker's history
     (engine/profiler/kernel_scratch.py); the notes when it could not be measured."""
-    recorder = tracker.scratch
+    recorder, counts = tracker.scratch.recorder, tracker.counts
+    assert recorder is not None
     if recorder.refused:
         return ["kernel scratch inside ops was not measured: another profiler was recording (PyTorch runs one "
                 "at a time)"]
-    if not recorder.started or tracker.truncated:  # no timed op ran (or the history is incomplete)
+    if not recorder.started or counts.truncated:  # no timed op ran (or the history is incomplete)
         return []
     if roots is None:
         return ["PyTorch's profiler was started inside the block and ended the recording of kernel scratch: "
                 "the peak counts only the tensors of the ops it times"]
-    windows = tracker.windows
-    add_scratch(tracker, spikes(window_events(roots, windows), windows, sizes_of(tracker), tracker.events))
+    windows = tracker.scratch.windows
+    add_scratch(counts, spikes(window_events(roots, windows), windows, sizes_of(counts), counts.events))
     return []
 
 
@@ -106,7 +108,7 @@ def reconcile(cell: cuda.CudaCell | None, device: str, before: Breakdown, after:
     return before, after, peak
 
 
-def oom_info(block: BlockSettings, source: Tracker | ReplayedBlock, trace: Trace, index: int, end: BlockEnd,
+def oom_info(block: BlockSettings, source: StorageCounts | ReplayedBlock, trace: Trace, index: int, end: BlockEnd,
              notes: list[str]) -> OomInfo:
     """Who held what when the block ran out of memory, and the request that failed."""
     info = source.oom or {}
@@ -141,7 +143,7 @@ def oom_info(block: BlockSettings, source: Tracker | ReplayedBlock, trace: Trace
 
 
 def _backend_notes(block: BlockSettings, start: BlockStart, end: BlockEnd,
-                   source: Tracker | ReplayedBlock) -> list[str]:
+                   source: StorageCounts | ReplayedBlock) -> list[str]:
     notes = list(end.notes)
     if source.truncated:
         notes.append("history was truncated after 2,000,000 events; the peak split is approximate")
@@ -158,18 +160,20 @@ def _backend_notes(block: BlockSettings, start: BlockStart, end: BlockEnd,
 def build_report(block: BlockSettings, start: BlockStart, end: BlockEnd) -> CellReport:
     """The block's report (with its advice) from what it started with and what it left."""
     tracker, replayed = end.tracker, end.replayed
-    source: Tracker | ReplayedBlock | None = tracker if tracker is not None else replayed
+    counts = tracker.counts if tracker is not None else None
+    source: StorageCounts | ReplayedBlock | None = counts if counts is not None else replayed
     assert source is not None
-    scratch = kernel_scratch_notes(tracker, end.scratch_roots) if tracker is not None and tracker.scratch else []
+    scratch = kernel_scratch_notes(tracker, end.scratch_roots) \
+        if tracker is not None and tracker.scratch.recorder is not None else []
     oom_index = (source.oom or {}).get("index", len(source.events))
     is_oom = end.exc_type is not None and issubclass(end.exc_type, torch.OutOfMemoryError)
-    expanded = start.counted.settle(tracker, end.scan)
-    if tracker is not None:
-        alive = alive_tracked(start.counted, tracker)
+    expanded = start.counted.settle(counts, end.scan)
+    if counts is not None:
+        alive = alive_tracked(start.counted, counts)
     else:
         assert replayed is not None
         alive = alive_replayed(start.registry, block.device, replayed)
-    trace = block_trace(block.device, source, (start.scan, end.scan), alive, expanded, start.counted, tracker,
+    trace = block_trace(block.device, source, (start.scan, end.scan), alive, expanded, start.counted, counts,
                         block.cell_files)
     stats_after = cuda.device_stats(block.device) if block.device.startswith("cuda") else None
     after = trace.breakdown_at(len(trace.events)) if not trace.truncated else Breakdown.from_rows(

@@ -25,6 +25,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from ..engine.after_import import after_import
+
 ENV_DIR = "VRAM_MAGIC_RANKS"  # the directory the ranks write their reports into
 ENV_PARENT = "VRAM_MAGIC_RANKS_PARENT"  # pid of the process that launches the ranks (never measured itself)
 
@@ -289,43 +291,7 @@ def install(by: str = "parent") -> None:
     if c10d is not None:
         _patch(c10d)
         return
-    _after_import("torch.distributed.distributed_c10d", _patch)
-
-
-class _AfterImport:
-    """A one-shot import hook: runs ``then(module)`` right after ``name`` has been executed."""
-
-    def __init__(self, name: str, then: Any) -> None:
-        self.name = name
-        self.then = then
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        import importlib.machinery
-
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        loader = getattr(spec, "loader", None)
-        if spec is None or loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        execute, then = loader.exec_module, self.then
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            try:
-                then(module)
-            except Exception:
-                pass
-
-        loader.exec_module = exec_module
-        return spec
-
-
-def _after_import(name: str, then: Any) -> None:
-    if not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport(name, then))
+    after_import("torch.distributed.distributed_c10d", _patch)
 
 
 def boot() -> None:

@@ -73,8 +73,7 @@ def _nbytes(t: Any) -> int:
 
 
 class _Handle:
-    """Something the tracker removes when it leaves (``Tracker._hooks``): what :meth:`CollectiveScopes.watch_ddp`
-    set up."""
+    """Something the tracker removes when it leaves: what :meth:`CollectiveScopes.watch` set up."""
 
     def __init__(self, remove: Any) -> None:
         self.remove = remove
@@ -87,20 +86,11 @@ def fsdp_role(scope: str) -> tuple[str, str]:
 
 class CollectiveScopes:
     """The tracker's part in this: the named scopes open now and DDP's own forward, and the roles they reveal
-    (kept in ``roles``: serial -> category, beside the optimizer's)."""
+    (kept in the counts' ``roles``: serial -> category, beside the optimizer's)."""
 
-    roles: dict[int, Any]
-    allocs: dict[int, Any]
-    registry: Any
-    _hooks: list[Any]
-    _lookup: Any
-    _see_outputs: Any
-    _scratch_block: Any
-    _cpu: bool
-    events: Any
-    phase: Any
-
-    def collectives_init(self) -> None:
+    def __init__(self, counts: Any) -> None:
+        self.counts = counts
+        self.roles, self.allocs, self.registry = counts.roles, counts.allocs, counts.registry
         # named scopes open now, innermost last: (FSDP's role for what is made inside it or None, the serial it
         # started at); scopes close in the order they opened (the handle an exit receives is a new Python object)
         self.scopes: list[tuple[tuple[str, str] | None, int]] = []
@@ -112,17 +102,28 @@ class CollectiveScopes:
         # the forward kept it for backward
         self.tp_outputs: dict[int, Any] = {}
 
-    def watch_ddp(self) -> None:
+    def watch(self) -> Any:
         """As the tracker enters: know DDP's module type, if torch's DDP is imported (it is not imported for
-        this), and hear of pipeline stages' micro-batches (:mod:`.pipeline`), until the tracker leaves."""
+        this), and hear of pipeline stages' micro-batches (:mod:`.pipeline`), until the handle returned is
+        removed."""
         ddp = sys.modules.get(_DDP)
         self.ddp_types = (ddp.DistributedDataParallel,) if ddp is not None else ()
         pipeline.watch(self)
-        self._hooks.append(_Handle(self._unwatch_parallel))
+        return _Handle(self._unwatch_parallel)
 
     def _unwatch_parallel(self) -> None:
         pipeline.unwatch(self)
         self.tp_outputs.clear()  # their callbacks die with them: nothing of this tracker outlives it
+
+    def freed(self, serial: int, phase: int) -> None:
+        """A storage made in the block is freed while one of FSDP's scopes or DDP's own forward is open."""
+        if self.fsdp_scopes and phase == Phase.BACKWARD and self.scopes[-1][0] is FSDP_REDUCE_SCATTER \
+                and serial < self.scopes[-1][1]:
+            # made by backward, dropped by FSDP's reduce-scatter once copied in: a unit's unsharded gradients
+            self.roles.setdefault(serial, FSDP_UNSHARDED_GRADS)
+        elif self.ddp_open is not None and phase == Phase.CELL:
+            # dropped by DDP's own forward: the buckets its reducer made when DDP was built, now rebuilt
+            self.roles.setdefault(serial, DDP_BUCKETS)
 
     # --- tensor parallelism ----------------------------------------------------------------------------------
     def collective_done(self, func: Any, args: Any, out: Any) -> Any:
@@ -131,8 +132,9 @@ class CollectiveScopes:
 
         if torch.compiler.is_compiling():
             return out
-        first, before = self.registry.next_serial(), len(self.events)
-        self._see_outputs(out, func)
+        counts = self.counts
+        first, before = self.registry.next_serial(), len(counts.events)
+        counts.see_outputs(out, func)
         kind = tp_collective(func) or "all-reduce"
         buffer, saved = TP_ROLES[kind]
         made = 0
@@ -141,7 +143,7 @@ class CollectiveScopes:
                 storage = t.untyped_storage()
             except (AttributeError, RuntimeError, NotImplementedError):
                 continue
-            entry = self._lookup(id(storage))
+            entry = self.registry.get(id(storage))
             if entry is None or entry.serial < first or entry.serial not in self.allocs:
                 continue  # not made here
             serial = entry.serial
@@ -149,21 +151,21 @@ class CollectiveScopes:
             self.roles[serial] = buffer
             if self.allocs[serial][1] in _MADE_IN_FORWARD:
                 self.tp_outputs[serial] = weakref.ref(storage, self._tp_output_freed(serial, saved))
-        staging = GLOO_STAGING.get(kind) if self._cpu and made else None
+        staging = GLOO_STAGING.get(kind) if counts.cpu and made else None
         if staging is not None:  # gloo's own buffer, beside the output
             size = made if kind == "all-gather" else _nbytes(args[0] if args else None)
-            events = len(self.events)
+            events = len(counts.events)
             if size:
-                self._scratch_block(size, before)
-            if len(self.events) == events + 2:
-                self.roles[-self.events[-1]] = staging
+                counts.scratch_block(size, before)
+            if len(counts.events) == events + 2:
+                self.roles[-counts.events[-1]] = staging
         return out
 
     def _tp_output_freed(self, serial: int, saved: tuple[str, str]) -> Any:
         def freed(_: Any) -> None:
             # freed while backward runs: the forward kept it (a saved input of the next layer's matmul, the
             # residual stream's shard under sequence parallelism)
-            if self.tp_outputs.pop(serial, None) is not None and self.phase() == Phase.BACKWARD:
+            if self.tp_outputs.pop(serial, None) is not None and self.counts.now.phase() == Phase.BACKWARD:
                 self.roles[serial] = saved
 
         return freed
@@ -183,7 +185,7 @@ class CollectiveScopes:
                 roles[serial] = role
         for t, other in named:
             try:
-                entry = self._lookup(id(t.untyped_storage()))
+                entry = self.registry.get(id(t.untyped_storage()))
             except (AttributeError, RuntimeError, NotImplementedError):
                 continue
             if entry is not None and entry.serial in allocs:

@@ -184,14 +184,13 @@ def is_prefill_forward(frame: Any, limit: int = 40) -> bool:
 
 
 class GenerationStages:
-    """The tracker's part in this: the phase memory made now is in, kept as ``_stage`` (0: the tracker's usual
-    rules), which generate()'s and the caches' wrappers set, and the stages a block went through."""
+    """The tracker's part in this: the stage memory made now is in, kept as ``now.stage`` (0: the tracker's usual
+    rules), which generate()'s and the caches' wrappers set, and the stages a block went through (``steps``: where
+    each stage began in the counts' history)."""
 
-    _stage: int
-    events: Any
-
-    def _stages_init(self) -> None:
-        self._stage = 0
+    def __init__(self, now: Any, counts: Any) -> None:
+        self.now = now
+        self.counts = counts
         self.generating = 0  # generate() calls under way
         self.gen_step = 0  # the decode step under way (0: the prefill, or none)
         # (event index, PREFILL or DECODE, or CELL where a call ended, step): where each stage began
@@ -203,39 +202,40 @@ class GenerationStages:
             wrap_loaded()  # transformers imported inside the block
         if not self.generating:
             return
+        now = self.now
         if is_prefill_forward(sys._getframe(1)):
-            if self._stage != PREFILL:  # a decode loop that runs a prefill again (assisted decoding)
-                self._stage = PREFILL
-                self.steps.append((len(self.events), PREFILL, self.gen_step))
+            if now.stage != PREFILL:  # a decode loop that runs a prefill again (assisted decoding)
+                now.stage = PREFILL
+                self.steps.append((len(self.counts.events), PREFILL, self.gen_step))
             return
         self.gen_step += 1
-        self._stage = DECODE
-        self.steps.append((len(self.events), DECODE, self.gen_step))
+        now.stage = DECODE
+        self.steps.append((len(self.counts.events), DECODE, self.gen_step))
 
     def enter_cache_update(self) -> int:
         """Memory made from here on is the cache's, where no autograd graph can save it: under grad (a training
         forward with ``use_cache=True``) the cache's new tensors are also what attention saves for backward, and
         stay activations unless a kept cache holds them at the end."""
-        saved = self._stage
+        saved = self.now.stage
         if not torch.is_grad_enabled():
-            self._stage = KV_UPDATE
+            self.now.stage = KV_UPDATE
         return saved
 
     def leave_stage(self, saved: int) -> None:
-        self._stage = saved
+        self.now.stage = saved
 
     def generation_begins(self) -> tuple[int, int]:
-        saved = (self._stage, self.gen_step)
+        saved = (self.now.stage, self.gen_step)
         self.generating += 1
-        self._stage = PREFILL
+        self.now.stage = PREFILL
         self.gen_step = 0
-        self.steps.append((len(self.events), PREFILL, 0))
+        self.steps.append((len(self.counts.events), PREFILL, 0))
         return saved
 
     def generation_ends(self, saved: tuple[int, int]) -> None:
         self.generating = max(self.generating - 1, 0)
-        self._stage, self.gen_step = saved
-        self.steps.append((len(self.events), self._stage or CELL, self.gen_step))
+        self.now.stage, self.gen_step = saved
+        self.steps.append((len(self.counts.events), self.now.stage or CELL, self.gen_step))
 
 
 __all__ = ["DECODE", "KV_UPDATE", "PREFILL", "GenerationStages", "is_prefill_forward", "is_wrapped", "unwatch",

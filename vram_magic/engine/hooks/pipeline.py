@@ -17,10 +17,11 @@ kept for the merged output. Sends need no memory of their own: a stage sends its
 from __future__ import annotations
 
 import functools
-import importlib.machinery
 import sys
 from collections.abc import Iterator
 from typing import Any
+
+from ..after_import import after_import, forget
 
 _STAGE_MODULE = "torch.distributed.pipelining.stage"
 _SCHEDULES_MODULE = "torch.distributed.pipelining.schedules"
@@ -92,8 +93,8 @@ def watch(tracker: Any) -> None:
     """Let ``tracker`` hear of every stage's micro-batches (wraps the stage class if loaded, or once it is)."""
     if tracker not in _watchers:
         _watchers.append(tracker)
-    if not _wrap_loaded() and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    if not _wrap_loaded():
+        after_import(_STAGE_MODULE, _stage_module_loaded)
 
 
 def unwatch(tracker: Any) -> None:
@@ -102,8 +103,7 @@ def unwatch(tracker: Any) -> None:
         _watchers.remove(tracker)
     if _watchers:
         return
-    for finder in [f for f in sys.meta_path if isinstance(f, _AfterImport)]:
-        sys.meta_path.remove(finder)
+    forget(_STAGE_MODULE)
     while _patched:
         cls, name, original, wrapper = _patched.pop()
         if cls.__dict__.get(name) is wrapper:  # someone else's patch on top stays, and so does ours under it
@@ -176,31 +176,10 @@ def _wrapper(fn: Any, role: Any, named: Any) -> Any:
     return wrapped
 
 
-class _AfterImport:
-    """A one-shot import hook: wraps the stage class right after its module has been executed (a rank that
-    imports the pipelining package after its measurement began)."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != _STAGE_MODULE:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        loader = getattr(spec, "loader", None)
-        if spec is None or loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        execute = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            execute(module)
-            if _watchers:
-                try:
-                    _wrap_loaded()
-                except Exception:  # a stage class of another shape: its micro-batches go unnamed
-                    pass
-
-        loader.exec_module = exec_module
-        return spec
+def _stage_module_loaded(module: Any) -> None:
+    """The pipelining package was imported after the measurement began: wrap its stage class now."""
+    if _watchers:
+        _wrap_loaded()  # a stage class of another shape raises: its micro-batches go unnamed
 
 
 # --- the scan's side -----------------------------------------------------------------------------------------------

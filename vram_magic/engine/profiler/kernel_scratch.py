@@ -133,112 +133,82 @@ def call_scratch(inside: Sequence[tuple[int, int]], counted: int) -> int:
 
 class ScratchOps:
     """The ops whose CPU kernels allocate inside themselves, as the tracker runs them (one of the parts
-    :class:`~vram_magic.engine.tracker.mode.Tracker` is made of): an fp32 GEMM's copies added as it returns, every other
-    call timed for the end of the block, or measured as it runs under a budget."""
+    :class:`~vram_magic.engine.tracker.mode.Tracker` is made of): an fp32 GEMM's copies added as it returns, every
+    other call timed for the end of the block, or measured as it runs under a budget. ``recorder``: the allocator's
+    events, started by the first timed op (set by the block that measures: measuring/measurement.py); ``windows``:
+    each timed call's window."""
 
-    # the parts of the tracker this one reads (engine/tracker/counts.py, engine/tracker/step_hooks.py)
-    events: Any
-    budget: int | None
-    current: int
-    _cpu: bool
-    _modules: list[int]
-    _see_new: Any
-    _see_outputs: Any
-    _raise_oom: Any
-    _scratch_block: Any
-    phase: Any
-
-    def scratch_init(self) -> None:
-        # the recorder of the allocator's events, started by the first timed op (set by the block that measures:
-        # measuring/measurement.py), and each timed call's window
-        self.scratch: ScratchRecorder | None = None
+    def __init__(self, counts: Any) -> None:
+        self.counts = counts
+        self.now = counts.now
+        self.recorder: ScratchRecorder | None = None
         self.windows: list[Window] = []
 
-    def _gemm(self, func: Any, args: Any, kwargs: Any) -> Any:
+    def gemm(self, func: Any, args: Any, kwargs: Any) -> Any:
         """``mm``/``addmm``: on the CPU, the operand copies BLAS needs follow from the strides (scratch_ops.gemm_copies)
         and are added as the op returns; in half precision oneDNN packs the operands instead, timed as the other
         scratch ops are."""
-        if self.scratch is not None and args[0 if func is MM else 1].dtype in HALF:
-            return self._scratch_op(func, args, kwargs)
-        before = len(self.events)
+        if self.recorder is not None and args[0 if func is MM else 1].dtype in HALF:
+            return self.scratch_op(func, args, kwargs)
+        counts = self.counts
+        before = len(counts.events)
         out = (func._op if type(func) is _OpOverload else func)(*args, **(kwargs or {}))
         if DYNAMO in LOADED and COMPILER._is_compiling_flag:
             return out
         if isinstance(out, torch.Tensor):
-            self._see_new(out, 3)
-            if self._cpu and out.is_cpu:
+            counts.see_new(out, 3)
+            if counts.cpu and out.is_cpu:
                 extra = gemm_copies(func, args, out)
                 if extra:
-                    if self.budget is not None and self.current + extra > self.budget:
-                        self._raise_oom(extra, depth=3)
-                    self._scratch_block(extra, before)
+                    if counts.budget is not None and counts.current + extra > counts.budget:
+                        counts.raise_oom(extra, depth=3)
+                    counts.scratch_block(extra, before)
         return out
 
-    def _scratch_op(self, func: Any, args: Any, kwargs: Any) -> Any:
+    def scratch_op(self, func: Any, args: Any, kwargs: Any) -> Any:
         """An op whose CPU kernel allocates inside itself (engine/tracker/scratch_ops.py), on the CPU: each call is
-        timed, so that
-        the allocator's events inside it are found at the end of the block (kernel_scratch.py), or, under a budget,
-        measured as it runs. Past a budget, the scratch raises ``torch.OutOfMemoryError`` as the op returns, as the
-        kernel would have on a full device."""
-        recorder = self.scratch
-        if recorder is not None and self.budget is not None:
+        timed, so that the allocator's events inside it are found at the end of the block (:func:`spikes`), or,
+        under a budget, measured as it runs. Past a budget, the scratch raises ``torch.OutOfMemoryError`` as the op
+        returns, as the kernel would have on a full device."""
+        recorder, counts = self.recorder, self.counts
+        if recorder is not None and counts.budget is not None:
             return self._measured_scratch_op(func, args, kwargs)
         timed = recorder is not None and recorder.start()
-        before = len(self.events)
+        before = len(counts.events)
         t0 = now() if timed else 0
         out = (func._op if type(func) is _OpOverload else func)(*args, **(kwargs or {}))
         t1 = now() if timed else 0
         if DYNAMO in LOADED and COMPILER._is_compiling_flag:
             return out
-        self._see_outputs(out, func)
+        counts.see_outputs(out, func)
         if timed:
-            modules = self._modules
-            self.windows.append((t0, t1, before, len(self.events), self.phase(), modules[-1] if modules else 0))
+            self.windows.append((t0, t1, before, len(counts.events), self.now.phase(), self.now.module()))
         return out
 
     def _measured_scratch_op(self, func: Any, args: Any, kwargs: Any) -> Any:
-        """Under a budget: the call's scratch measured as it runs (the first call of its kind, kernel_scratch.py) or
-        known
-        from that one, checked against the budget, and put in the history after its outputs."""
-        recorder = self.scratch
-        before = len(self.events)
+        """Under a budget: the call's scratch measured as it runs (the first call of its kind) or known from that
+        one, checked against the budget, and put in the history after its outputs."""
+        recorder, counts = self.recorder, self.counts
+        before = len(counts.events)
         key = call_key(func, args, kwargs)
-        extra = recorder.known.get(key)
+        extra = recorder.known.get(key)  # type: ignore[union-attr]
         op = func._op if type(func) is _OpOverload else func
         inside = None
         if extra is None:
-            out, inside = recorder.measure(lambda: op(*args, **(kwargs or {})))
+            out, inside = recorder.measure(lambda: op(*args, **(kwargs or {})))  # type: ignore[union-attr]
         else:
             out = op(*args, **(kwargs or {}))
         if DYNAMO in LOADED and COMPILER._is_compiling_flag:
             return out
-        self._see_outputs(out, func)
+        counts.see_outputs(out, func)
         if inside is not None:
-            extra = recorder.known[key] = call_scratch(
-                inside, counted_between(self.events, before, len(self.events), sizes_of(self)))
+            extra = recorder.known[key] = call_scratch(  # type: ignore[union-attr]
+                inside, counted_between(counts.events, before, len(counts.events), sizes_of(counts)))
         if extra:
-            if self.current + extra > self.budget:  # type: ignore[operator]
-                self._raise_oom(extra, depth=4)
-            self._scratch_block(extra, before)
+            if counts.current + extra > counts.budget:
+                counts.raise_oom(extra, depth=4)
+            counts.scratch_block(extra, before)
         return out
-
-    def _scratch_block(self, size: int, before: int) -> None:
-        """Scratch an op just made and freed: a block allocated and freed at once, after the op's outputs."""
-        events = self.events
-        if len(events) + 2 > self.max_events:
-            self.truncated = True
-            return
-        serial = self.registry.next_serial()
-        last = events[-1] if len(events) > before else 0
-        modules = self._modules
-        self.allocs[serial] = (size, self.phase(), self.allocs[last][2] if last > 0 and last in self.allocs else (),
-                               modules[-1] if modules else 0)
-        self.roles[serial] = SCRATCH
-        events.append(serial)
-        if self.current + size > self.peak:
-            self.peak = self.current + size
-            self.peak_index = len(events)
-        events.append(-serial)
 
 
 def window_events(roots: Sequence[Any], windows: Sequence[Window]) -> list[list[tuple[int, int]]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..tracker.mode import Tracker
+from ..tracker.counts import StorageCounts
 from .attribution import Group, Scan
 from .categories import UNATTRIBUTED
 from .registry import Entry, LiveStorages
@@ -41,19 +41,19 @@ class Counted:
             if gid not in ids:
                 yield from registry.members(gid, self.device)
 
-    def before_category(self, serial: int, tracker: Tracker | None) -> tuple[str, str]:
+    def before_category(self, serial: int, counts: StorageCounts | None) -> tuple[str, str]:
         """Who held a storage alive at the start (and freed since) when the block began."""
         cat = self.before_owner.get(serial)
         if cat is not None:
             return cat
-        key = tracker.grouped_freed.get(serial) if tracker is not None else None
+        key = counts.grouped_freed.get(serial) if counts is not None else None
         if key is not None:
             group = self.scan_before.group_of(key)
             if group is not None:
                 return group.owner
         return UNATTRIBUTED
 
-    def settle(self, tracker: Tracker | None, scan_after: Scan) -> dict[int, int]:
+    def settle(self, counts: StorageCounts | None, scan_after: Scan) -> dict[int, int]:
         """Which groups are the same at the end (the same container found unchanged, the same owner and bytes,
         no storage of theirs freed or resized in the block): those stay sums (``stable``). Returns serial → size
         of the still-alive storages of the others, for the history's starting point."""
@@ -61,7 +61,7 @@ class Counted:
         if not self.groups:
             return {}
         after = {id(g.found): g for g in scan_after.groups}
-        touched = set(tracker.grouped_freed.values()) if tracker is not None else set()
+        touched = set(counts.grouped_freed.values()) if counts is not None else set()
         expanded: dict[int, int] = {}
         get = self.registry.get
         for g in self.groups:
@@ -76,12 +76,12 @@ class Counted:
                     expanded[entry.serial] = entry.size
         return expanded
 
-    def grouped_freed(self, tracker: Tracker | None) -> dict[int, int]:
+    def grouped_freed(self, counts: StorageCounts | None) -> dict[int, int]:
         """serial → size of the groups' storages the block freed."""
-        if tracker is None:
+        if counts is None:
             return {}
-        freed = tracker.initial_freed
-        return {s: freed[s] for s in tracker.grouped_freed if s in freed}
+        freed = counts.initial_freed
+        return {s: freed[s] for s in counts.grouped_freed if s in freed}
 
 
 __all__ = ["Counted"]

@@ -1,10 +1,10 @@
 """What a tracker counts: the storages alive (their bytes, the peak), the history of allocations and frees with
 each allocation's record, and how the tensors an op returns become counted storages.
 
-:class:`StorageCounts` is one of the parts :class:`~vram_magic.engine.tracker.mode.Tracker` is made of. Its counting
-methods are public for the tools built on the tracker (``count_new``, ``count_late``, ``count_free``, ``adopt``);
-:meth:`StorageCounts._see_new` is the hot path, run for every tensor an op returns, with the phase of an allocation
-(step_hooks.py) worked out inline.
+:class:`StorageCounts` is one of the parts :class:`~vram_magic.engine.tracker.mode.Tracker` is made of, and the
+record a measured block is built from (``allocs``, ``events``, ``roles``, ...). Its counting methods are public for
+the tools built on the tracker (``count_new``, ``count_late``, ``count_free``, ``adopt``); :meth:`StorageCounts.see_new`
+is the hot path, run for every tensor an op returns, with the phase of an allocation (``now.py``) worked out inline.
 """
 
 from __future__ import annotations
@@ -16,17 +16,18 @@ from typing import Any
 import torch
 
 from ...core.units import format_bytes
-from ..hooks.collectives import DDP_BUCKETS, FSDP_REDUCE_SCATTER, FSDP_UNSHARDED_GRADS
 from ..phases import PHASE_NAMES, Phase
 from ..scan.registry import Entry, LiveStorages, storage_size
-from ..tensors import is_wrapper
+from ..tensors import is_wrapper, returned_tensors
 from ..torch_private import current_autograd_node as _current_node
 from ..torch_private import current_graph_task_id as _graph_task
 from . import op_kinds
 from .frames import user_site
+from .now import Now
 from .observer import TrackerObserver
 from .oom_frames import name_holders
 from .op_kinds import ALIASING, FRESH_IDS, RESIZING
+from .scratch_ops import SCRATCH
 from .sites import engine_frame
 
 _grad_enabled = torch.is_grad_enabled
@@ -37,23 +38,18 @@ CELL, FORWARD, BACKWARD, OPTIMIZER, INFERENCE = Phase.CELL, Phase.FORWARD, Phase
 
 
 class StorageCounts:
-    """The counts of one device's storages while a tracker is active (see the module's docstring)."""
+    """The counts of one device's storages while a tracker is active (see the module's docstring). ``now``: where
+    the measured code is (written by the step hooks and generate()'s stages); ``collectives``: told of each free
+    while one of FSDP's scopes or DDP's own forward is open (set by the tracker)."""
 
-    # the parts of the tracker this one reads (step_hooks.py, engine/hooks/generation.py, engine/hooks/collectives.py,
-    # mode.py)
-    _stage: int
-    _optimizer_depth: int
-    _modules: list[int]
-    _site: tuple[Any, ...] | None
-    observer: TrackerObserver | None
-    on_free: Any
-    fsdp_scopes: int
-    scopes: list[Any]
-    ddp_open: int | None
-    phase: Any
-
-    def counts_init(self, registry: LiveStorages, device: str, budget: int | None, record_sites: bool,
-                    max_events: int, initial: dict[int, int] | None, grouped: tuple[int, int]) -> None:
+    def __init__(self, registry: LiveStorages, device: str, *, now: Now, budget: int | None = None,
+                 record_sites: bool = True, max_events: int = 2_000_000, initial: dict[int, int] | None = None,
+                 grouped: tuple[int, int] = (0, 0), observer: TrackerObserver | None = None) -> None:
+        self.now = now
+        self.observer = observer
+        self.collectives: Any = None
+        # what the registry calls when a storage is freed while the tracker is active
+        self.on_free = self.count_free if observer is None else self._free_observed
         self.registry = registry
         self.device = device
         self.budget = budget
@@ -90,7 +86,7 @@ class StorageCounts:
         self._resizing = RESIZING
         self._lookup = registry.get
         self._add_new = registry.add_new
-        self._cpu = device == "cpu"
+        self.cpu = device == "cpu"
         self._torch_device = torch.device(device)
         self._task_site: tuple[int, tuple[Any, ...]] = (-2, ())  # (graph task, the site of its backward() call)
 
@@ -117,13 +113,9 @@ class StorageCounts:
         if record is not None:
             phase = record[1]
             self.phase_bytes[phase] -= size
-            if self.fsdp_scopes and phase == BACKWARD and self.scopes[-1][0] is FSDP_REDUCE_SCATTER \
-                    and serial < self.scopes[-1][1]:
-                # made by backward, dropped by FSDP's reduce-scatter once copied in: a unit's unsharded gradients
-                self.roles.setdefault(serial, FSDP_UNSHARDED_GRADS)
-            elif self.ddp_open is not None and phase == CELL:
-                # dropped by DDP's own forward: the buckets its reducer made when DDP was built, now rebuilt
-                self.roles.setdefault(serial, DDP_BUCKETS)
+            collectives = self.collectives
+            if collectives is not None and (collectives.fsdp_scopes or collectives.ddp_open is not None):
+                collectives.freed(serial, phase)
         else:
             self.initial_freed[serial] = size
         events = self.events
@@ -132,10 +124,10 @@ class StorageCounts:
         else:
             self.truncated = True
 
-    def _resized(self, entry: Entry, size: int) -> None:
+    def resized(self, entry: Entry, size: int) -> None:
         """A storage that changed size: in the history, the old block is freed and a new one allocated."""
         if self.budget is not None and self.current - entry.size + size > self.budget:
-            self._raise_oom(size - entry.size)
+            self.raise_oom(size - entry.size)
         self.on_free(entry)
         entry.serial = self.registry.next_serial()
         entry.size = size
@@ -147,9 +139,9 @@ class StorageCounts:
         the observer told). ``size``: its bytes, where the tracker's device would not give them (fake tensors);
         raises ``torch.OutOfMemoryError`` past the budget."""
         if size is None:
-            size = storage.nbytes() if self._cpu else storage_size(storage, self.device)
+            size = storage.nbytes() if self.cpu else storage_size(storage, self.device)
         if self.budget is not None and self.current + size > self.budget:
-            self._raise_oom(size)
+            self.raise_oom(size)
         entry = self.registry.add_new(storage, id(storage), size, self.device)
         self._record(entry)
         if self.observer is not None:
@@ -169,7 +161,7 @@ class StorageCounts:
             self.peak_index = len(self.events)
 
     def _record(self, entry: Entry, depth: int = 4) -> None:
-        """Count a new block (``depth``: frames from here up to the op's caller). :meth:`_see` inlines this
+        """Count a new block (``depth``: frames from here up to the op's caller). :meth:`see_new` inlines this
         for the common case; keep the two alike."""
         size = entry.size
         self.current += size
@@ -180,8 +172,8 @@ class StorageCounts:
         site: tuple[Any, ...] = ()
         if self.record_sites:
             site = user_site(sys._getframe(depth))  # one tuple per distinct site
-        modules = self._modules
-        phase = self.phase()
+        modules = self.now.modules
+        phase = self.now.phase()
         self.allocs[entry.serial] = (size, phase, site, modules[-1] if modules else 0)
         self.phase_bytes[phase] += size
         self.last_phase = phase
@@ -189,11 +181,11 @@ class StorageCounts:
             self.peak = self.current
             self.peak_index = len(self.events)
 
-    def _raise_oom(self, size: int, depth: int = 4) -> None:
+    def raise_oom(self, size: int, depth: int = 4) -> None:
         site = user_site(sys._getframe(depth))
         # "index": the events before the failed request — what was alive then, before the exception unwinds
         # the frames that held the cell's temporaries
-        self.oom = {"requested": size, "in_use": self.current, "site": site, "phase": self.phase(),
+        self.oom = {"requested": size, "in_use": self.current, "site": site, "phase": self.now.phase(),
                     "index": len(self.events)}
         name_holders(sys._getframe(depth), self.registry, self.oom_holders)
         msg = (
@@ -212,11 +204,11 @@ class StorageCounts:
         self.peak += entry.size
 
     # --- what an op returned ----------------------------------------------------------------------------
-    def _see(self, t: torch.Tensor, func: Any) -> None:
+    def see(self, t: torch.Tensor, func: Any) -> None:
         """A tensor an op returned, whatever the op (op_kinds.SEEN, the scratch ops): a known storage the op can grow
         (``out=``, ``resize_``, ``set_``) is counted at its new size; memory made outside dispatch (``torch.tensor``,
         ``torch.from_numpy``) as new where it is not shared; an unknown storage of an op that returns views as alive
-        from the start; anything else as :meth:`_see_new` does."""
+        from the start; anything else as :meth:`see_new` does."""
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less tensors
@@ -229,32 +221,32 @@ class StorageCounts:
             if resizes and entry.device == self.device:  # out=, resize_, set_ can grow it
                 size = storage_size(storage, entry.device)
                 if entry.size != size:
-                    self._resized(entry, size)
+                    self.resized(entry, size)
+            return
+        fresh = id(func) in FRESH_IDS  # torch.tensor, torch.from_numpy: memory made outside dispatch, maybe shared
+        aliases = False if fresh else self._aliasing.get(id(func))
+        if aliases is None:
+            aliases = op_kinds.aliases(func)
+        if not (fresh or aliases):
+            self.see_new(t)
             return
         cls = type(t)
         if cls is not _Tensor and cls is not _Parameter and is_wrapper(t):
             return  # a wrapper subclass (DTensor, quantized tensors): no memory of its own; its parts are counted
-        if (not t.is_cpu) if self._cpu else (t.device != self._torch_device):
+        if (not t.is_cpu) if self.cpu else (t.device != self._torch_device):
             self.registry.add(storage)  # another device: known for its own reports, not counted here
-            return
-        if id(func) in FRESH_IDS:  # torch.tensor, torch.from_numpy: memory made outside dispatch, maybe shared
+        elif aliases:
+            self.count_late(storage)
+        else:
             entry = self.registry.add(storage)  # size 0 when it shares a live storage's memory
             if entry.size:
                 if self.budget is not None and self.current + entry.size > self.budget:
-                    self._raise_oom(entry.size, depth=3)
+                    self.raise_oom(entry.size, depth=3)
                 self._record(entry, depth=3)
                 if self.observer is not None:
                     self.observer.storage_counted(entry)
-            return
-        aliases = self._aliasing.get(id(func))
-        if aliases is None:
-            aliases = op_kinds.aliases(func)
-        if aliases:
-            self.count_late(storage)
-            return
-        self._see_new(t)
 
-    def _see_new(self, t: torch.Tensor, depth: int = 2) -> None:
+    def see_new(self, t: torch.Tensor, depth: int = 2) -> None:
         """A tensor an op returned whose storage, if not known, is new memory made now (most ops: op_kinds.skips
         says ``False``). The hot path: ``count_new`` and ``_record`` inlined (this runs for every allocation, in
         between kernels that have evicted the interpreter from the CPU caches: each Python call here costs several
@@ -269,13 +261,13 @@ class StorageCounts:
         cls = type(t)
         if cls is not _Tensor and cls is not _Parameter and is_wrapper(t):
             return  # a wrapper subclass (DTensor, quantized tensors): no memory of its own; its parts are counted
-        if (not t.is_cpu) if self._cpu else (t.device != self._torch_device):
+        if (not t.is_cpu) if self.cpu else (t.device != self._torch_device):
             self.registry.add(storage)  # another device: known for its own reports, not counted here
             return
-        size = storage.nbytes() if self._cpu else storage_size(storage, self.device)
+        size = storage.nbytes() if self.cpu else storage_size(storage, self.device)
         current = self.current + size
         if self.budget is not None and current > self.budget:
-            self._raise_oom(size, depth=3)
+            self.raise_oom(size, depth=3)
         entry = self._add_new(storage, key, size, self.device)
         serial = entry.serial
         self.current = current
@@ -284,10 +276,11 @@ class StorageCounts:
             events.append(serial)
         else:
             self.truncated = True
-        modules = self._modules
-        if self._stage:  # self.phase(), inlined
-            phase = self._stage
-        elif self._optimizer_depth:
+        now = self.now
+        modules = now.modules
+        if now.stage:  # now.phase(), inlined
+            phase = now.stage
+        elif now.optimizer_depth:
             phase = OPTIMIZER
         elif _current_node() is not None:
             phase = BACKWARD
@@ -295,7 +288,7 @@ class StorageCounts:
             phase = FORWARD if _grad_enabled() else INFERENCE
         else:
             phase = CELL
-        site = self._site
+        site = now.site
         if site is None:
             if not self.record_sites:
                 site = ()
@@ -319,13 +312,27 @@ class StorageCounts:
         if self.observer is not None:
             self.observer.storage_counted(entry)
 
-    def _see_outputs(self, out: Any, func: Any) -> None:
-        if isinstance(out, torch.Tensor):
-            self._see(out, func)
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self._see(o, func)
+    def see_outputs(self, out: Any, func: Any) -> None:
+        for t in returned_tensors(out):
+            self.see(t, func)
+
+    def scratch_block(self, size: int, before: int) -> None:
+        """Scratch an op just made and freed: a block allocated and freed at once, after the op's outputs
+        (``before``: the events before the op)."""
+        events = self.events
+        if len(events) + 2 > self.max_events:
+            self.truncated = True
+            return
+        serial = self.registry.next_serial()
+        last = events[-1] if len(events) > before else 0
+        self.allocs[serial] = (size, self.now.phase(), self.allocs[last][2] if last > 0 and last in self.allocs else (),
+                               self.now.module())
+        self.roles[serial] = SCRATCH
+        events.append(serial)
+        if self.current + size > self.peak:
+            self.peak = self.current + size
+            self.peak_index = len(events)
+        events.append(-serial)
 
 
 __all__ = ["StorageCounts"]

@@ -1,20 +1,21 @@
 """The live-storage tracker: a ``TorchDispatchMode`` that sees every tensor an op returns.
 
-It counts new storages (allocations) as they appear and frees by weakref callback, so it knows live
-bytes, the peak and the order of events — what the CPU allocator does not tell us. It also notes the
-phase of each allocation (module forward, backward, optimizer step, plain cell code) and, cheaply, the
-user's frames, so allocations that are gone by the end of the cell can still be attributed.
+It counts new storages (allocations) as they appear and frees by weakref callback, so it knows live bytes, the peak
+and the order of events — what the CPU allocator does not tell us. It also notes the phase of each allocation
+(module forward, backward, optimizer step, plain cell code) and, cheaply, the user's frames, so allocations that are
+gone by the end of the cell can still be attributed.
 
-:class:`Tracker` is the dispatch mode itself: what it does with each op (decided once per op, op_kinds.py) and
-what it watches while active. It is made of parts, one idea each: the counts and the history
-(counts.py: ``StorageCounts``), module forwards and optimizer steps (step_hooks.py: ``StepHooks``), ops whose
-kernels allocate inside themselves (engine/profiler/kernel_scratch.py: ``ScratchOps``), ``generate()`` and KV caches
-(engine/hooks/generation.py),
-FSDP's, DDP's and tensor parallelism's buffers (engine/hooks/collectives.py).
+:class:`Tracker` is the dispatch mode itself: what it does with each op (decided once per op, ``op_kinds.py``) and
+the parts it is made of, each owning its state: ``now`` (where the measured code is: ``now.py``), ``counts`` (the
+storages alive, the peak and the history, the record a block is built from: ``counts.py``), ``hooks`` (module
+forwards and optimizer steps: ``step_hooks.py``), ``scratch`` (ops whose kernels allocate inside themselves:
+``engine/profiler/kernel_scratch.py``), ``generation`` (``generate()`` and KV caches:
+``engine/hooks/generation.py``) and ``collectives`` (FSDP's, DDP's and tensor parallelism's buffers:
+``engine/hooks/collectives.py``). The hot path's containers and methods are aliased on the mode once.
 
 Tools built on it (the estimator's step tracer) pass a :class:`~vram_magic.engine.tracker.observer.TrackerObserver`,
-which hears of module forwards, new storages and frees, and count storages through the public
-:meth:`Tracker.count_new`, :meth:`Tracker.count_late` and :meth:`Tracker.count_free`.
+which hears of module forwards, new storages and frees, and count storages through the counts' public
+``count_new``, ``count_late`` and ``count_free``.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from typing import Any
 import torch
 
 from ..hooks import generation
-from ..hooks.collectives import DDP_BUCKETS as DDP_BUCKETS
-from ..hooks.collectives import FSDP_ALL_GATHER as FSDP_ALL_GATHER
 from ..hooks.collectives import FSDP_UNSHARDED, CollectiveScopes
 from ..hooks.generation import GenerationStages
 from ..phases import PHASE_NAMES as PHASE_NAMES
@@ -37,6 +36,7 @@ from ..torch_private import TorchDispatchMode, never_compiled
 from ..torch_private import leave_mode_stack as leave_mode_stack
 from . import op_kinds
 from .counts import StorageCounts
+from .now import Now
 from .observer import TrackerObserver
 from .op_kinds import (
     COLLECTIVE,
@@ -60,7 +60,7 @@ CELL, FORWARD, BACKWARD, OPTIMIZER, INFERENCE = Phase.CELL, Phase.FORWARD, Phase
 PREFILL, DECODE, KV_UPDATE = Phase.PREFILL, Phase.DECODE, Phase.KV_UPDATE
 
 
-class Tracker(StepHooks, StorageCounts, ScratchOps, GenerationStages, CollectiveScopes, TorchDispatchMode):
+class Tracker(TorchDispatchMode):
     """Track allocations on one device while active.
 
     ``budget``: simulated capacity in bytes; an op whose result (or, on the CPU, whose kernel's scratch) would push
@@ -81,25 +81,29 @@ class Tracker(StepHooks, StorageCounts, ScratchOps, GenerationStages, Collective
         grouped: tuple[int, int] = (0, 0),
     ) -> None:
         super().__init__()
-        self.counts_init(registry, device, budget, record_sites, max_events, initial, grouped)
-        self.observer = observer
-        # what the registry calls when a storage is freed while the tracker is active
-        self.on_free = self.count_free if observer is None else self._free_observed
-        self.hooks_init()  # module forwards and optimizer steps (see step_hooks.py)
+        self.registry, self.device = registry, device
+        self.now = now = Now()
+        self.counts = counts = StorageCounts(registry, device, now=now, budget=budget, record_sites=record_sites,
+                                             max_events=max_events, initial=initial, grouped=grouped,
+                                             observer=observer)
+        self.collectives = counts.collectives = CollectiveScopes(counts)
+        self.generation = GenerationStages(now, counts)
+        self.scratch = ScratchOps(counts)
+        self.hooks = StepHooks(now, counts.roles, registry.get, record_sites=record_sites, observer=observer,
+                               on_root_forward=self.generation.root_forward, ddp=self.collectives)
+        # the per-op path's parts, aliased once: no attribute hop through a part for every op
+        self._see_new, self._see_outputs = counts.see_new, counts.see_outputs
         self._deferring: dict[Any, bool] = {}  # subclass types -> their ops are left to them (see op_kinds.defers)
         self._skipping = SKIPPING  # per-op decisions, shared by every tracker of the process (see op_kinds.py)
-        self._hooks: list[Any] = []
-        self.collectives_init()  # FSDP's scopes and DDP's own forward (see engine/hooks/collectives.py)
-        self.scratch_init()  # kernel scratch on the CPU (see engine/profiler/kernel_scratch.py)
-        self._stages_init()  # generate() and KV caches (see engine/hooks/generation.py)
+        self._handles: list[Any] = []
 
     # --- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> Tracker:
-        self.registry.on_free = self.on_free
-        self._hooks = self.install_hooks()
+        self.registry.on_free = self.counts.on_free
+        self._handles = self.hooks.install()
         watch_resizes(self)
-        generation.watch(self)
-        self.watch_ddp()
+        generation.watch(self.generation)
+        self._handles.append(self.collectives.watch())
         try:
             return super().__enter__()
         except BaseException:
@@ -114,32 +118,33 @@ class Tracker(StepHooks, StorageCounts, ScratchOps, GenerationStages, Collective
 
     def _remove_hooks(self) -> None:
         unwatch_resizes(self)
-        generation.unwatch(self)
-        for h in self._hooks:
+        generation.unwatch(self.generation)
+        for h in self._handles:
             try:
                 h.remove()
             except Exception:
                 pass
-        self._hooks = []
-        if self.registry.on_free == self.on_free:
+        self._handles = []
+        if self.registry.on_free == self.counts.on_free:
             self.registry.on_free = None
 
     # --- storages resized in place (storage_resize.py) -----------------------------------------------
     def storage_resized(self, storage: Any) -> None:
         """A storage resized by ``UntypedStorage.resize_``, outside dispatch: FSDP frees a unit's unsharded
         parameters so (size 0) after its forward and backward, and allocates them again before the next use."""
-        entry = self._lookup(id(storage))
+        counts = self.counts
+        entry = self.registry.get(id(storage))
         if entry is None or entry.device != self.device:
             return
-        size = storage.nbytes() if self._cpu else storage_size(storage, self.device)
+        size = storage.nbytes() if counts.cpu else storage_size(storage, self.device)
         if size == entry.size:
             return
-        fsdp = self.fsdp_scopes > 0
+        fsdp = self.collectives.fsdp_scopes > 0
         if fsdp:  # first made by torch.empty inside FSDP's all-gather scope: it is the unit's unsharded parameters
-            self.roles[entry.serial] = FSDP_UNSHARDED
-        self._resized(entry, size)
+            counts.roles[entry.serial] = FSDP_UNSHARDED
+        counts.resized(entry, size)
         if fsdp:
-            self.roles[entry.serial] = FSDP_UNSHARDED
+            counts.roles[entry.serial] = FSDP_UNSHARDED
 
     # --- the ops -----------------------------------------------------------------------------------
     @classmethod
@@ -177,7 +182,7 @@ class Tracker(StepHooks, StorageCounts, ScratchOps, GenerationStages, Collective
                         self._see_new(o)
             return out
         if skip is GEMM:
-            return self._gemm(func, args, kwargs)
+            return self.scratch.gemm(func, args, kwargs)
         return self._other_op(func, args, kwargs, op_kinds.skips(func) if skip is None else skip)
 
     def _other_op(self, func: Any, args: Any, kwargs: Any, skip: Any) -> Any:
@@ -193,12 +198,12 @@ class Tracker(StepHooks, StorageCounts, ScratchOps, GenerationStages, Collective
                 if out is not NotImplemented:
                     return out
         elif skip is SCRATCH_OP:
-            return self._scratch_op(func, args, kwargs)
+            return self.scratch.scratch_op(func, args, kwargs)
         out = (func._op if type(func) is _OpOverload else func)(*args, **(kwargs or {}))
         if skip is COLLECTIVE:  # a collective returned (engine/hooks/collectives.py)
-            return self.collective_done(func, args, out)
+            return self.collectives.collective_done(func, args, out)
         if skip is SCOPE_IN or skip is SCOPE_OUT:  # a named scope opens or closes
-            (self.scope_entered if skip is SCOPE_IN else self.scope_exited)(args, out)
+            (self.collectives.scope_entered if skip is SCOPE_IN else self.collectives.scope_exited)(args, out)
             return out
         if DYNAMO in LOADED and COMPILER._is_compiling_flag:  # torch.compile tracing: stay out of its graph
             return out

@@ -24,12 +24,12 @@ class TrackerObserver:
 
     def storage_counted(self, entry: Entry) -> None:
         """An op returned a new storage and the tracker has just counted it (``entry.serial``, ``entry.size``;
-        its record is ``tracker.allocs[entry.serial]``). Storages met later (the end-of-block scan's, resized
+        its record is ``tracker.counts.allocs[entry.serial]``). Storages met later (the end-of-block scan's, resized
         ones) are not reported here."""
 
     def storage_freed(self, entry: Entry) -> bool:
         """A storage on the tracker's device was freed, before the tracker counts the free: return ``False`` to
-        leave it uncounted (one the tool already counted as freed through ``tracker.count_free``)."""
+        leave it uncounted (one the tool already counted as freed through ``tracker.counts.count_free``)."""
         return True
 
 

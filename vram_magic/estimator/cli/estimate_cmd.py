@@ -33,30 +33,41 @@ def parser_for(prog: str, doc: str | None, options: list[tuple[tuple[str, ...], 
     return p
 
 
+def run_command(name: str, args: Any, build_call: Any, progress_label: Any, as_json: Any, status: Any) -> int:
+    """What both commands do with their parsed ``args``: build the model and inputs (``build_call``: ``(args,
+    namespace) -> (model, inputs, kwargs)``), call, print the result or its JSON, and return the exit status
+    (``status(result)``; 2 for bad input, said on one line)."""
+    import torch
+
+    from .. import EstimateError
+
+    try:
+        call, model, inputs, kwargs = build_call(args, {"torch": torch})
+        progress = None if args.json else (lambda msg: print(f"{progress_label(args)}{msg}", file=sys.stderr))
+        result = call(model, inputs, progress=progress, **kwargs)
+    except (ValueError, TypeError, EstimateError) as err:
+        print(f"vram_magic {name}: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(as_json(result), indent=2) if args.json else result)
+    return status(result)
+
+
 def parser() -> argparse.ArgumentParser:
     return parser_for("python -m vram_magic estimate", __doc__, OPTIONS, "print the numbers as JSON instead of the "
                       "report")
 
 
 def main(argv: list[str]) -> int:
-    import torch
+    from .. import estimate
 
-    from .. import EstimateError, estimate
+    def build_call(args: Any, namespace: dict[str, Any]) -> tuple[Any, ...]:
+        return (estimate, *build(args, namespace))
 
-    args = parser().parse_args(argv)
-    search = "max-seq" if args.max_seq and not args.max_batch else "max-batch"  # what the progress lines search
-    try:
-        model, inputs, kwargs = build(args, {"torch": torch})
-        progress = None if args.json else (lambda msg: print(f"{search}: trying {msg}", file=sys.stderr))
-        est = estimate(model, inputs, progress=progress, **kwargs)
-    except (ValueError, TypeError, EstimateError) as err:
-        print(f"vram_magic estimate: {err}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(_as_json(est), indent=2))
-    else:
-        print(est)
-    return 1 if est.fits is False else 0
+    def searching(args: Any) -> str:  # what the progress lines search
+        return "max-seq: trying " if args.max_seq and not args.max_batch else "max-batch: trying "
+
+    return run_command("estimate", parser().parse_args(argv), build_call, searching, _as_json,
+                       lambda est: 1 if est.fits is False else 0)
 
 
 def _as_json(est: Any) -> dict[str, Any]:

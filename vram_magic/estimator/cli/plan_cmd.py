@@ -7,12 +7,10 @@ row fits, 1 when none does, 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Any
 
 from .arguments import PLAN_OPTIONS, build_plan
-from .estimate_cmd import parser_for
+from .estimate_cmd import parser_for, run_command
 
 
 def parser() -> argparse.ArgumentParser:
@@ -21,20 +19,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    import torch
+    from .. import plan
 
-    from .. import EstimateError, plan
+    def build_call(args: Any, namespace: dict[str, Any]) -> tuple[Any, ...]:
+        return (plan, *build_plan(args, namespace))
 
-    args = parser().parse_args(argv)
-    try:
-        model, inputs, kwargs = build_plan(args, {"torch": torch})
-        progress = None if args.json else (lambda msg: print(f"plan: {msg}", file=sys.stderr))
-        result = plan(model, inputs, progress=progress, **kwargs)
-    except (ValueError, TypeError, EstimateError) as err:
-        print(f"vram_magic plan: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(as_json(result), indent=2) if args.json else result)
-    return 0 if result.best is not None else 1
+    return run_command("plan", parser().parse_args(argv), build_call, lambda args: "plan: ", as_json,
+                       lambda result: 0 if result.best is not None else 1)
 
 
 def as_json(p: Any) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ...engine.torch_private import MODULE_APPLY, set_module_apply
-from ..torch_private import function_modes
+from ..torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode, function_modes
 from .known_values import ATTR
 
 # keyword arguments that carry or ask for a key/value cache, in the spellings models use
@@ -37,6 +37,26 @@ def estimating() -> Iterator[None]:
     """While a model is built and estimated: fake modules convert with ``.to``."""
     with _fake_modules_convert():
         yield
+
+
+@contextlib.contextmanager
+def fake_run() -> Iterator[Any]:
+    """A fake run's surroundings, its fake mode yielded: real inputs allowed, fake tensors' own log silenced (they
+    log a model's shape errors; the estimate says it once, clearly), warnings ignored, fake modules converting with
+    ``.to``."""
+    import logging
+    import warnings
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    log = logging.getLogger(FAKE_TENSOR_LOGGER)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings(), estimating():
+            warnings.simplefilter("ignore")
+            yield mode
+    finally:
+        log.setLevel(level)
 
 
 @contextlib.contextmanager

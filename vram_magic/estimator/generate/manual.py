@@ -27,7 +27,7 @@ import torch
 from ...engine.hooks.kv_cache import CACHE_NAMES
 from ..fake.convert import tensors_in
 from .facts import GenerateSpec
-from .loop import Plan
+from .loop import DecodePlan
 
 #: the cache argument's names, in the order they are looked for in a forward's signature
 ARGUMENTS = ("past_key_values", "past", "layer_past", "cache", "kv_cache", "past_key_value", "kv_caches",
@@ -108,7 +108,7 @@ def _grown(structure: Any, dims: list[int | None], tokens: int, seen: list[int])
     return structure
 
 
-def manual_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: Plan, learnt: Any) -> torch.Tensor:
+def manual_generate(model: Any, inputs: Any, spec: GenerateSpec, plan: DecodePlan, learnt: Any) -> torch.Tensor:
     """The greedy loop above on fake tensors, steps chosen by ``plan``."""
     if spec.num_beams != 1 or spec.cache_implementation is not None or spec.do_sample:
         raise ValueError("a hand-written decoder is estimated with greedy decoding and its own cache: num_beams, "

@@ -11,7 +11,7 @@ import torch
 from ...engine.hooks.kv_cache import kv_cache_tensors
 from ...engine.scan.registry import LiveStorages
 from .facts import GenerateSpec
-from .loop import Plan, can_jump
+from .loop import DecodePlan, can_jump
 
 
 class LoopRecorder:
@@ -31,7 +31,7 @@ class LoopRecorder:
         self.logits_to_keep: bool | None = None
         self.encoder_length: int | None = None
         self.flops: list[tuple[str, int]] = []  # (event, FLOPs so far)
-        self.plan: Plan | None = None
+        self.plan: DecodePlan | None = None
         self.cache_name = ""  # a hand-written decoder's cache argument (what names its cache)
         self.replacing: list[int | None] = []  # serials the jump is about to free (a stack)
         self.replaced: dict[int, int] = {}  # serial the jump made -> the serial it stands in for
@@ -58,7 +58,7 @@ class LoopRecorder:
                     self.token_bytes[s] = t.numel() // int(t.shape[-2]) * t.element_size()
 
     def event(self, what: str, obj: Any) -> None:
-        n = len(self.tracer.events)
+        n = len(self.tracer.counts.events)
         self.op_rows.setdefault(f"step{obj}" if what == "step" else what, len(self.tracer.ops))
         self.flops.append((what, sum(self.tracer.flops)))
         if what in ("prefill_start", "prefill_end", "jump_start", "jump_end", "loop_end"):
@@ -113,7 +113,7 @@ class LoopRecorder:
 
     def final(self, result: Any) -> None:
         """The cache when the loop ends: its bytes (each storage once) and per-token growth."""
-        self.marks.setdefault("loop_end", len(self.tracer.events))
+        self.marks.setdefault("loop_end", len(self.tracer.counts.events))
         cache = self.cache
         if cache is None:
             return
@@ -145,7 +145,7 @@ class LoopRecorder:
                 decode = n - self.flops[i - 1][1]
         return prefill, decode
 
-    def summary(self, kind: str, batch: int, seq: int, plan: Plan, model: Any) -> dict[str, Any]:
+    def summary(self, kind: str, batch: int, seq: int, plan: DecodePlan, model: Any) -> dict[str, Any]:
         cls, layers, per_token, fixed = self.cache_facts
         return {"kind": kind, "batch": batch, "seq": seq, "cache": cls, "layers": layers, "per_token": per_token,
                 "fixed": fixed, "kv_final": self.kv_final, "steps": tuple(plan.steps_run), "jumped": plan.jumped,

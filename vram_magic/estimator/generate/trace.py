@@ -12,9 +12,7 @@ loop (``manual.py``). The cache's tensors are the estimate's ``kv_cache`` catego
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,12 +22,12 @@ from ...engine.hooks.kv_cache import KV_CACHE
 from ...engine.scan.registry import LiveStorages
 from ..device.autocast import cuda_autocast
 from ..fake.convert import from_specs, resize, size_of, tensors_in
-from ..fake.frameworks import estimating, not_tracing
+from ..fake.frameworks import fake_run, not_tracing
 from ..fake.lora import adapt_linear_layers
 from ..fake.quantize import count_parameters, parameter_labels
 from ..fake.request import Request
 from ..options import Options, short_dtype
-from ..torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode
+from ..torch_private import FakeTensorMode
 from ..tracing.errors import EstimateError
 from ..tracing.traced import FakeRun
 from ..tracing.tracer import FAKE_PROBLEMS, FORWARD
@@ -106,16 +104,8 @@ def trace_generate(request: Request, opts: Options, spec: GenerateSpec, *, cuda:
                    ) -> tuple[FakeRun, dict[str, Any]]:
     """The fake run of one ``generate()`` call; the trace and what the loop learnt (cache slots, phases)."""
     t0 = time.perf_counter()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    log = logging.getLogger(FAKE_TENSOR_LOGGER)
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        with warnings.catch_warnings(), estimating():
-            warnings.simplefilter("ignore")
-            return _trace(request, opts, spec, mode, t0, cuda)
-    finally:
-        log.setLevel(level)
+    with fake_run() as mode:
+        return _trace(request, opts, spec, mode, t0, cuda)
 
 
 def _fake_model(request: Request, opts: Options, mode: FakeTensorMode) -> tuple[Any, list[str]]:
@@ -286,17 +276,17 @@ class _null:
 
 def _step_trace(tracer: Any, owner: dict[int, tuple[str, str]], learnt: LoopRecorder, model: Any, params: list[Any],
                 batch: int, seq: int, notes: list[str], problem: str | None, t0: float) -> FakeRun:
-    sizes = dict(tracer.initial)
-    sizes.update(tracer.late)
+    sizes = dict(tracer.counts.initial)
+    sizes.update(tracer.counts.late)
     module: dict[int, str] = {}
     made_at: dict[int, int] = {}
-    for i, ev in enumerate(tracer.events):
+    for i, ev in enumerate(tracer.counts.events):
         if ev > 0:
             made_at.setdefault(ev, i)
     marks = learnt.marks
     prefill = marks.get("prefill_start", 0)
-    decode = marks.get("decode_start", len(tracer.events))
-    for serial, record in tracer.allocs.items():
+    decode = marks.get("decode_start", len(tracer.counts.events))
+    for serial, record in tracer.counts.allocs.items():
         sizes[serial] = record[0]
         _stage, mod, _r = tracer.made.get(serial, (0, "", False))
         module[serial] = mod
@@ -313,13 +303,13 @@ def _step_trace(tracer: Any, owner: dict[int, tuple[str, str]], learnt: LoopReco
             owner[serial] = ("activations", f"{phase} activations") if mod else (
                 "other", "generate(): token ids, positions, masks" if at < prefill else
                 "generate() loop: token ids, positions, masks")
-    for serial in tracer.late:
+    for serial in tracer.counts.late:
         owner.setdefault(serial, ("other", "temporaries"))
     param_bytes = sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "parameters")
     trace = FakeRun(
-        sizes=sizes, owner=owner, module=module, events=tracer.events,
-        initial=tuple(tracer.initial) + tuple(tracer.late),
-        marks={"forward_end": marks.get("decode_start", len(tracer.events)), "step_start": 0, **marks},
+        sizes=sizes, owner=owner, module=module, events=tracer.counts.events,
+        initial=tuple(tracer.counts.initial) + tuple(tracer.counts.late),
+        marks={"forward_end": marks.get("decode_start", len(tracer.counts.events)), "step_start": 0, **marks},
         flops={"forward": 0, "backward": 0, "optimizer": 0}, convs=tracer.convs, copies=tracer.copies,
         rnns=tracer.rnns, gemms=tracer.gemms, host_scalars=set(), problem=problem, uses_matmul=tracer.matmul,
         batch=batch, seq=seq, micro_batch=batch, param_count=count_parameters(model), param_bytes=param_bytes,

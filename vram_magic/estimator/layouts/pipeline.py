@@ -315,7 +315,7 @@ class PipelineRank:
                     held.append(out)
                 done += 1
                 if done == forwards and last:
-                    step.marks["forward_end"] = len(tracer.events)
+                    step.marks["forward_end"] = len(tracer.counts.events)
                 del out, inp
             else:
                 tracer.stage = BACKWARD

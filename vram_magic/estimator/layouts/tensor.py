@@ -252,8 +252,7 @@ class TensorParallelTracer(StepTracer):
     copies on the CPU."""
 
     def __init__(self, registry: Any, names: dict[int, str]) -> None:
-        super().__init__(registry, names)
-        self.observer = _Observer(self)
+        super().__init__(registry, names, observer=_Observer)
         self.propagating = False  # set while DTensor runs an op on global shapes (torch_private.dtensor_shape_runs)
         self.collective_outputs: dict[int, str] = {}  # serial -> "all-reduce", "all-gather", ...
         self.saved: set[int] = set()  # collective outputs freed while backward ran: kept by the forward

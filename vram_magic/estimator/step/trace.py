@@ -7,7 +7,6 @@ order of allocations and frees.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -19,13 +18,13 @@ from ...engine.scan.registry import LiveStorages
 from ..device.autocast import CudaAutocastMode, cuda_autocast
 from ..device.sdpa import CudaAttention, CudaKernelMode
 from ..fake.convert import call_model, from_specs, has_lazy, materialize_lazy, resize, size_of, tensors_in
-from ..fake.frameworks import enable_checkpointing, estimating, not_tracing
+from ..fake.frameworks import enable_checkpointing, fake_run, not_tracing
 from ..fake.lora import adapt_linear_layers
 from ..fake.quantize import count_parameters, parameter_labels
 from ..fake.request import Request
 from ..fake.scripted import has_scripted
 from ..options import Options
-from ..torch_private import FAKE_TENSOR_LOGGER, FakeTensorMode
+from ..torch_private import FakeTensorMode
 from ..tracing.errors import EstimateError, failure_message
 from ..tracing.traced import FakeRun
 from ..tracing.tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
@@ -55,20 +54,11 @@ def trace_step(request: Request, opts: Options, sdpa: tuple[tuple[int, int], boo
     kernels do (:func:`.cuda_attention.target_capability`), ``None`` to keep the CPU's; ``states``: the optimizer
     state that earlier fake runs of the same workload left after their first step (``first_step.py``), read and
     added to."""
-    import logging
     import time
 
     t0 = time.perf_counter()
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    log = logging.getLogger(FAKE_TENSOR_LOGGER)
-    level = log.level
-    log.setLevel(logging.CRITICAL)  # fake tensors log a model's shape errors; ours says it once, clearly
-    try:
-        with warnings.catch_warnings(), estimating():
-            warnings.simplefilter("ignore")
-            return _trace(request, opts, mode, t0, sdpa, states)
-    finally:
-        log.setLevel(level)
+    with fake_run() as mode:
+        return _trace(request, opts, mode, t0, sdpa, states)
 
 
 def _trace(request: Request, opts: Options, mode: FakeTensorMode, t0: float, sdpa: Any,
@@ -230,7 +220,7 @@ class _FakeStep:
                 for step in range(steps):
                     last = step == steps - 1
                     if last:
-                        self.marks["step_start"] = len(tracer.events)
+                        self.marks["step_start"] = len(tracer.counts.events)
                         self.last_flops = list(tracer.flops)
                         self.ops_start = len(tracer.ops)
                     if opts.inference:
@@ -246,7 +236,7 @@ class _FakeStep:
             where = tracer.problem or (str(err), tracer.module() or "(top level)", type(err).__name__)
             self.problem = (f"{where[0]} in module {where[1]!r} needs real tensor values ({where[2]}), which fake "
                             "tensors do not have; the estimate covers what ran before it")
-            self.marks.setdefault("forward_end", len(tracer.events))
+            self.marks.setdefault("forward_end", len(tracer.counts.events))
         except EstimateError:
             raise
         except Exception as err:
@@ -258,7 +248,7 @@ class _FakeStep:
         with torch.inference_mode(), self.amp:
             out = call_model(self.runner, self.inputs)
         if last:
-            self.marks["forward_end"] = len(self.tracer.events)
+            self.marks["forward_end"] = len(self.tracer.counts.events)
         del out
 
     def _train_step(self, last: bool) -> None:
@@ -278,7 +268,7 @@ class _FakeStep:
                 raise EstimateError("loss_fn must return a scalar tensor, got "
                                     f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
             if last and micro == self.n_micro - 1:
-                marks["forward_end"] = len(tracer.events)
+                marks["forward_end"] = len(tracer.counts.events)
             tracer.stage = BACKWARD
             loss.backward()
             for p in self.trainable:
@@ -289,12 +279,12 @@ class _FakeStep:
             if p.grad is None and key in optimizer.state:
                 del optimizer.state[key]
         if last:
-            marks["backward_end"] = len(tracer.events)
+            marks["backward_end"] = len(tracer.counts.events)
         tracer.stage = OPTIMIZER
         self.updater.step()
         claim_state(optimizer, self.claim, self.host_scalars)
         if last:
-            marks["step_end"] = len(tracer.events)
+            marks["step_end"] = len(tracer.counts.events)
         tracer.stage = ZERO_GRAD
         self.updater.zero_grad(set_to_none=True)
         del out, loss  # as a loop that ends each step with `del out, loss` (or returns) does
@@ -338,8 +328,8 @@ class _FakeStep:
             "optimizer": int(step_flops[OPTIMIZER]),
         }
         return FakeRun(
-            sizes=sizes, owner=owner, module=module, events=tracer.events,
-            initial=tuple(tracer.initial) + tuple(tracer.late), marks=self.marks, flops=flops,
+            sizes=sizes, owner=owner, module=module, events=tracer.counts.events,
+            initial=tuple(tracer.counts.initial) + tuple(tracer.counts.late), marks=self.marks, flops=flops,
             convs=tracer.convs, copies=tracer.copies, rnns=tracer.rnns, gemms=tracer.gemms,
             host_scalars=self.host_scalars, problem=self.problem,
             fused=bool(self.optimizer is not None and is_fused(self.optimizer)),
@@ -358,20 +348,20 @@ def _label_storages(tracer: StepTracer, owner: dict[int, tuple[str, str]], names
                     model: nn.Module) -> tuple[dict[int, int], dict[int, str]]:
     """Each storage's size and the module that made it; ``owner`` completed with what the unclaimed ones count
     as, by the stage that made them (the one phase → category table, ``engine.phases``)."""
-    sizes = {serial: size for serial, size in tracer.initial.items()}
-    sizes.update(tracer.late)
+    sizes = {serial: size for serial, size in tracer.counts.initial.items()}
+    sizes.update(tracer.counts.late)
     made = tracer.made
     module: dict[int, str] = {}
     root = names.get(id(model), "")  # the model's own forward, outside its children: not a child's path
     own = f"({root}.forward itself)"
-    for serial, record in tracer.allocs.items():  # (size, phase, site, ...) as the engine records it
+    for serial, record in tracer.counts.allocs.items():  # (size, phase, site, ...) as the engine records it
         sizes[serial] = record[0]
         stage, mod, recompute = made.get(serial, (SETUP, "", False))
         module[serial] = own if mod == root and mod else mod
         if serial in owner:
             continue
         owner[serial] = phase_category(stage, mod, recompute)
-    for serial in tracer.late:
+    for serial in tracer.counts.late:
         owner.setdefault(serial, PHASE_CATEGORY[Phase.CELL])
     return sizes, module
 

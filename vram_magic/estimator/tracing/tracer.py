@@ -29,6 +29,7 @@ from ..torch_private import (
     pop_mode,
     push_mode,
 )
+from .fake_outputs import FakeOutputs
 from .oplog import OpLog, Traits, op_traits
 
 # The stages of a traced step (engine/phases.py holds every phase), under the names they always had here
@@ -90,7 +91,7 @@ def _shapes(args: Any, kwargs: Any) -> str:
 
 class StepObserver(TrackerObserver):
     """What the step tracer hears from the tracker: the module stack by name, which stage and module made each
-    storage, and the frees of values already counted as freed (:meth:`StepTracer.release`)."""
+    storage, and the frees of values already counted as freed (:meth:`.FakeOutputs.release`)."""
 
     def __init__(self, tracer: StepTracer) -> None:
         self.tracer = tracer
@@ -109,7 +110,7 @@ class StepObserver(TrackerObserver):
         tracer.made[entry.serial] = (tracer.stage, tracer.module(), recompute)
 
     def storage_freed(self, entry: Entry) -> bool:
-        fused = self.tracer.fused
+        fused = self.tracer.outputs.fused
         if entry.serial in fused:
             fused.discard(entry.serial)
             return False
@@ -119,8 +120,9 @@ class StepObserver(TrackerObserver):
 class StepTracer(Tracker):
     """Counts the storages of fake tensors (their storages live on ``meta``) during a traced step."""
 
-    def __init__(self, registry: LiveStorages, names: dict[int, str]) -> None:
-        super().__init__(registry, "meta", record_sites=False, observer=StepObserver(self))
+    def __init__(self, registry: LiveStorages, names: dict[int, str],
+                 observer: type[StepObserver] | None = None) -> None:
+        super().__init__(registry, "meta", record_sites=False, observer=(observer or StepObserver)(self))
         self.stage = SETUP
         self.names = names
         self.modstack: list[str] = []
@@ -134,8 +136,7 @@ class StepTracer(Tracker):
         self.input_keys: set[int] = set()  # id() of the inputs' storages
         self.failed_stage = SETUP
         self.failed_on_input = False  # the failing op read an input tensor (or a view of one) directly
-        self.fused: set[int] = set()  # serials of values a compiled kernel would not materialize
-        self.fusing = False  # set while a compiled graph computes a value that lives inside a fused kernel
+        self.outputs = FakeOutputs(self.counts, registry)  # how a fake op's outputs are counted
         # set while the compiler works inside the step (AOTAutograd compiles the backward at its first call):
         # the tensors its passes make on their own fake tensors are no memory of the step
         self.compiling = False
@@ -172,54 +173,6 @@ class StepTracer(Tracker):
         return self.modstack[-1] if self.modstack else ""
 
     # --- storages ---------------------------------------------------------------------------------------
-    def release(self, value: Any) -> None:
-        """``value``'s buffer is taken over by the next result (written in place): counted as freed now, its
-        real free later not counted again."""
-        if not isinstance(value, torch.Tensor):
-            return
-        try:
-            entry = self.registry.get(id(value.untyped_storage()))
-        except (RuntimeError, NotImplementedError):
-            return
-        if entry is not None and entry.serial not in self.fused:
-            self.count_free(entry)
-            self.fused.add(entry.serial)
-
-    def _see_fake(self, t: torch.Tensor, func: Any) -> None:
-        """A tensor an op returned: a new storage is counted (unless a fused kernel makes it), a known one grown
-        in place is counted at its new size, a view of memory from before the step is counted as alive from the
-        start."""
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return
-        entry = self.registry.get(id(storage))
-        if entry is not None:
-            if entry.serial in self.fused:
-                return
-            size = int(storage.nbytes())
-            if entry.size != size:  # resized in place
-                self.current += size - entry.size
-                entry.size = size
-                self.peak = max(self.peak, self.current)
-            return
-        if aliases(func):
-            self.count_late(storage)
-            return
-        if self.fusing:  # never written to memory: known (its views resolve to it), not counted
-            entry = self.registry.add_new(storage, id(storage), int(storage.nbytes()), self.device)
-            self.fused.add(entry.serial)
-            return
-        self.count_new(storage)
-
-    def _see_outputs_fake(self, out: Any, func: Any) -> None:
-        if isinstance(out, torch.Tensor):
-            self._see_fake(out, func)
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self._see_fake(o, func)
-
     # --- SDPA as the CUDA kernel runs it --------------------------------------------------------------------
     def _cuda_sdpa(self, args: Any, kwargs: Any) -> Any:
         """The op reached this mode whole (under ``inference_mode``): the model's ops, each seen by this mode."""
@@ -295,7 +248,7 @@ class StepTracer(Tracker):
             raise
         else:
             propagate(func, args, kwargs, out)
-        self._see_outputs_fake(out, func)
+        self.outputs.see_outputs(out, func)
         packet = func.overloadpacket
         counter = flop_registry.get(packet)
         flops = int(counter(*args, **kwargs, out_val=out)) if counter is not None else 0
@@ -308,21 +261,21 @@ class StepTracer(Tracker):
         if not self.matmul and packet.__name__ in _MATMULS:
             self.matmul = True
         if func is _CONV or func is _CONV_BACKWARD:
-            self.convs.append((len(self.events), func, tensor_spec(args, self.channels_last_convs)))
+            self.convs.append((len(self.counts.events), func, tensor_spec(args, self.channels_last_convs)))
         elif func is _RNN or func is _RNN_BACKWARD:
             workspace = 0
             if func is _RNN:  # fake kernels return an empty workspace; the real one is sized by probing
                 entry = self.registry.get(id(out[3].untyped_storage()))
                 workspace = entry.serial if entry is not None else 0
-            self.rnns.append((len(self.events), func, tensor_spec(args), workspace))
+            self.rnns.append((len(self.counts.events), func, tensor_spec(args), workspace))
         elif func in _GEMM_OPS and isinstance(out, torch.Tensor) and out.dtype in _HALF:
             # half-precision GEMMs go through oneDNN, whose packing scratch depends on shapes, strides and
             # threads: measured per distinct GEMM (scratch.gemm_scratch), not derived from a rule
-            self.gemms.append((len(self.events), func, strided_spec(args)))
+            self.gemms.append((len(self.counts.events), func, strided_spec(args)))
         elif func in _MM_OPS and isinstance(out, torch.Tensor):
             extra = gemm_copies(func, args, out)
             if extra:
-                self.copies.append((len(self.events), extra))
+                self.copies.append((len(self.counts.events), extra))
         return out
 
 

@@ -442,13 +442,13 @@ def _make_runner(gm: torch.fx.GraphModule, example_inputs: Any, is_inference: bo
                 if node in deferred:
                     holding.pop(deferred[node], None)
                 if tracer is not None and node in reuse:
-                    tracer.release(env.get(reuse[node]))
+                    tracer.outputs.release(env.get(reuse[node]))
                 if tracer is not None and node in virtual:
-                    tracer.fusing = True
+                    tracer.outputs.fusing = True
                     try:
                         env[node] = node.target(*a, **k)
                     finally:
-                        tracer.fusing = False
+                        tracer.outputs.fusing = False
                 else:
                     env[node] = node.target(*a, **k)
                 if node in weight_grads:
