@@ -616,6 +616,66 @@ def plan_times(env: dict[str, str], out: list[str], dry: bool, deadline: float) 
     return t
 
 
+# --- 8. a real out-of-memory error, explained ----------------------------------------------------------------
+OOM_CHILD = """
+import json, sys, torch
+sys.path.insert(0, {here!r})
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+import vram_magic
+DEV = {device!r}
+sh = InteractiveShell.instance()
+shown = []
+with capture_output():
+    sh.run_cell("%load_ext vram_magic")  # armed before CUDA starts: the history covers every block
+    sh._vram_magic_extension.black_box.show = shown.append
+    sh.run_cell(f"import torch\\nkeep = [torch.empty(256 << 20, dtype=torch.uint8, device={{DEV!r}}) "
+                "for _ in range(4)]")
+    sh.run_cell("del keep[1], keep[2]")  # two 256 MiB holes
+    if DEV == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        big = free + (1 << 30)  # more than the device has free, with the cache given back
+    else:
+        big = 1 << 20
+    sh.run_cell(f"x = torch.empty({{big}}, dtype=torch.uint8, device={{DEV!r}})")
+r = vram_magic.last_oom()
+snap = torch.cuda.memory._snapshot() if DEV == "cuda" else {{"segments": []}}
+active = sum(b["size"] for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated")
+print(json.dumps({{"shown": len(shown), "alive": r.alive.total if r else None,
+                  "allocated": r.cuda.allocated if r and r.cuda else None, "active_after": active,
+                  "requested": r.requested if r else None, "big": big,
+                  "what_ifs": [list(w) for w in r.cuda.what_ifs] if r and r.cuda else []}}))
+"""
+
+
+def real_oom(out: list[str], dry: bool, deadline: float) -> Table:
+    t = Table("a real out-of-memory error in a notebook cell nobody measured: the black box's report", out)
+    if dry:
+        t.add("report vs torch.cuda.memory._snapshot()", "SKIP", "dry run: needs a GPU to run out of memory")
+        return t
+    if time.monotonic() > deadline - 30:
+        t.add("report vs torch.cuda.memory._snapshot()", "SKIP", "out of time")
+        return t
+    try:
+        done = run([sys.executable, "-c", OOM_CHILD.format(here=ROOT, device="cuda")], deadline - time.monotonic(),
+                   pythonpath_env())
+    except subprocess.TimeoutExpired:
+        t.add("report vs torch.cuda.memory._snapshot()", "FAIL", "timed out")
+        return t
+    if done.returncode != 0:
+        t.add("the black box in a fresh process", "FAIL", (done.stderr.strip().splitlines() or ["?"])[-1][:150])
+        return t
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    t.add("the report follows the failed cell", "PASS" if r["shown"] == 1 else "FAIL", f"{r['shown']} shown")
+    ok = r["allocated"] == r["active_after"]
+    t.add("allocated at the failure = the snapshot's active blocks", "PASS" if ok else "FAIL",
+          f"{r['allocated']} vs {r['active_after']} B")
+    t.add("the failed request", "PASS" if r["requested"] and r["requested"] >= r["big"] else "FAIL",
+          f"{r['requested']} B asked, {r['big']} B in the cell")
+    t.add("settings tried", "PASS" if r["what_ifs"] else "FAIL", "; ".join(str(w[:3]) for w in r["what_ifs"]))
+    return t
+
+
 def download_wheels(target: str) -> int:
     """Wheels for a Python 3.12 x86-64 Linux box with PyTorch but no package index (see docs/cuda.md)."""
     os.makedirs(target, exist_ok=True)
@@ -672,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     tables.append(cudnn_workspace(out, args.dry_run or not has_gpu, deadline))
     tables[-1].print()
     tables.append(plan_times(env, out, args.dry_run or not has_gpu, deadline))
+    tables[-1].print()
+    tables.append(real_oom(out, args.dry_run or not has_gpu, deadline))
     tables[-1].print()
     failed = [t.title for t in tables if t.failed]
     summary = f"== {'FAIL: ' + '; '.join(failed) if failed else 'all checks passed or skipped'} " \

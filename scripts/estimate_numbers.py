@@ -3,7 +3,7 @@
 Record (a pytest plugin: each estimate that ``vram_magic.estimate()``, ``%vram_estimate`` or ``vram_magic.plan()``
 returns, keyed by the test that made it and its order there)::
 
-    VRAM_ESTIMATES_OUT=before.jsonl .venv/bin/python -m pytest -p estimate_numbers -q tests/test_estimate*.py ...
+    VRAM_ESTIMATES_OUT=before.jsonl .venv/bin/python -m pytest -p estimate_numbers -q tests/estimator/test_*.py ...
 
 (with ``PYTHONPATH=scripts``), then the same after a change into ``after.jsonl``, and compare::
 
@@ -104,7 +104,7 @@ def pytest_configure(config: Any) -> None:  # the plugin's entry: wrap the publi
 
     _wrap(est_pkg, "estimate", "estimate")
     for module_name, name in (("vram_magic.estimator.cli.arguments", "estimate_with_batch"),
-                              ("vram_magic.estimator", "plan"), ("vram_magic.estimator.plan.planner", "plan")):
+                              ("vram_magic.estimator", "plan"), ("vram_magic.estimator.planning.planner", "plan")):
         try:
             module = __import__(module_name, fromlist=["_"])
         except ImportError:

@@ -262,6 +262,24 @@ def test_cuda_and_allocator_names() -> None:
             engine_door.cuda_history_enabled()
 
 
+def test_lazy_call_and_the_oom_observer() -> None:
+    """``lazy_call`` runs at once where CUDA is initialised and queues otherwise (never initialising it); the observer
+    hook exists on CUDA builds only."""
+    import torch.cuda as tc
+
+    ran: list[int] = []
+    queued = len(tc._queued_calls)
+    engine_door.lazy_call(lambda: ran.append(1))
+    if tc.is_initialized():
+        assert ran == [1]
+    else:
+        assert ran == [] and len(tc._queued_calls) == queued + 1
+        tc._queued_calls.pop()  # this test's own, taken back
+    observer = engine_door.attach_oom_observer()
+    assert (observer is not None) == torch.backends.cuda.is_built()
+    assert observer is None or callable(observer)
+
+
 def test_group_store_entry() -> None:
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

@@ -29,9 +29,11 @@ __all__ = [
     "plan",
     "format_bytes",
     "gather",
+    "last_oom",
     "load_ipython_extension",
     "measure",
     "parse_size",
+    "read_oom",
     "unload_ipython_extension",
 ]
 
@@ -60,6 +62,21 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | {"estimate", "plan"})
+
+
+def last_oom() -> Any:
+    """The report of the latest out-of-memory error this process explained (a notebook cell's, measured or not, with
+    ``%load_ext vram_magic``; a script's under ``python -m vram_magic run``), or ``None``."""
+    from .oom.black_box import last_oom as _last
+
+    return _last()
+
+
+def read_oom(folder: str = "vram-oom") -> Any:
+    """The out-of-memory reports ``python -m vram_magic run --out FOLDER`` wrote (one per rank), one bar each."""
+    from .oom.readback import read_oom as _read
+
+    return _read(folder)
 
 
 def gather(*args: Any, **kwargs: Any) -> Any:

@@ -1,6 +1,6 @@
 """Command line: ``python -m vram_magic demo``, ``python -m vram_magic estimate MODULE:BUILDER …``,
-``python -m vram_magic plan MODULE:BUILDER …`` and
-``python -m vram_magic ranks …`` (a distributed job's memory per rank)."""
+``python -m vram_magic plan MODULE:BUILDER …``, ``python -m vram_magic ranks …`` (a distributed job's memory per
+rank) and ``python -m vram_magic run script.py`` (a script run with the out-of-memory black box)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ USAGE = """usage: python -m vram_magic demo
        python -m vram_magic estimate package.module:build_model [options]   (see: estimate --help)
        python -m vram_magic plan package.module:build_model --gpu L4 [options]   (see: plan --help)
        python -m vram_magic ranks run [-o DIR] -- torchrun … script.py      (each rank's memory)
-       python -m vram_magic ranks DIR                                       (see: ranks --help)"""
+       python -m vram_magic ranks DIR                                       (see: ranks --help)
+       python -m vram_magic run [--out DIR] script.py [args]               (out-of-memory errors explained)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from .estimator.cli.plan_cmd import main as plan_main
 
         return plan_main(rest)
+    if cmd == "run":
+        from .oom.script import main as run_main
+
+        return run_main(rest)
     if cmd == "ranks":
         from .ranks.cli import main as ranks_main
 

@@ -162,12 +162,12 @@ function kernelView(k: IKernel, categories: ICategory[]): HTMLElement {
     const how = g.source === 'nvml' ? 'its processes, as NVML counts them' : 'reserved by PyTorch (the kernel\'s own figure; the CUDA context is not in it)';
     figures?.append(h('li', { title: how }, `${dev} ${formatBytes(g.used)}${g.source === 'nvml' ? '' : ' reserved'}`));
   }
-  figures?.append(h('li', { title: 'resident memory of the kernel process (RSS)' }, `RAM ${formatBytes(k.rss)}`));
+  figures?.append(h('li', { title: 'resident memory of the kernel and its child processes (RSS)' }, `RAM ${formatBytes(k.rss)}`));
   const name = h('button', { class: 'vram-magic-nb', type: 'button', title: k.path ? `open ${k.path}` : k.id,
     'data-action': 'open', 'data-kernel-id': k.id }, nb);
   const li = h('li', { class: 'vram-magic-kernel', 'data-kernel-id': k.id },
     h('div', { class: 'vram-magic-row' }, name, h('span', { class: 'vram-magic-num vram-magic-size',
-      title: gpu > 0 ? 'GPU memory of the kernel, every device together' : 'resident memory of the kernel process (RSS)' },
+      title: gpu > 0 ? 'GPU memory of the kernel, every device together' : 'resident memory of the kernel and its child processes (RSS)' },
     main)),
     h('div', { class: 'vram-magic-sub' }, facts),
     figures,

@@ -70,7 +70,7 @@ export interface IKernel {
   pid_source: 'kernel' | 'provisioner' | null;
   local_pid: number | null; // the pid in the server's pid namespace
   nspid: number[] | null; // the pid in each nested namespace, outermost first
-  rss: number | null; // resident bytes
+  rss: number | null; // resident bytes of the kernel and its child processes
   gpu: IGpu[];
   vram_magic: IFigures | null; // its own figures, where vram_magic is loaded
   history: [number, number | null, number][]; // (time s, rss, gpu bytes)

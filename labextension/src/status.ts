@@ -17,7 +17,7 @@ export function statusText(kernel: IKernel | null): { text: string; title: strin
   }
   const where = basename(kernel.path) || kernel.id;
   const g = mainGpu(kernel);
-  const rss = `resident memory (RSS) ${formatBytes(kernel.rss)}`;
+  const rss = `resident memory with child processes (RSS) ${formatBytes(kernel.rss)}`;
   if (g !== null && g.used > 0) {
     const dev = g.index !== null ? `GPU ${g.index}` : g.device ?? 'the GPU';
     const how = g.source === 'nvml' ? 'its process, as NVML counts it' : 'reserved by PyTorch, its own figure';

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from vram_magic.lab import procs
+from vram_magic.engine.host import procs
 from vram_magic.lab.collect import foreign_pids, join_processes, namespace_notes
 from vram_magic.lab.nvml import GpuProcess, Nvml, NvmlDevice, same_device
 
@@ -209,3 +209,27 @@ def test_gpu_nvml_lists_this_process_within_5_percent():
     assert p1.used - p0.used >= 2**30 * 0.95
     del x
     nvml.close()
+
+
+def test_a_kernels_resident_memory_counts_its_children():
+    """The panel's RAM of a kernel is its own resident memory and its children's (data-loader workers, forked ranks):
+    a child holding 100 MiB is found through /proc/<pid>/task/*/children and counted at its own RSS."""
+    from vram_magic.lab.collect import _with_children
+
+    code = ("import sys, time\nb = bytearray(100 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\n"
+            "print('ready', flush=True)\ntime.sleep(30)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        me = os.getpid()
+        assert child.pid in procs.children(me)
+        own, theirs = procs.rss(me), procs.rss(child.pid)
+        assert theirs >= 100 << 20
+        total = _with_children(me)
+        assert abs(total - own - sum(procs.rss(c) or 0 for c in procs.children(me))) < 8 << 20
+        assert total >= own + theirs - (8 << 20)
+    finally:
+        child.kill()
+        child.wait()
+    time.sleep(0.1)
+    assert child.pid not in procs.children(os.getpid())

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Any
 
 CATEGORIES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state", "activations", "kv_cache", "other")
 LABELS: dict[str, str] = {
@@ -94,3 +95,16 @@ class Breakdown(Mapping[str, int]):
 
     def as_dict(self) -> dict[str, int]:
         return {c: self[c] for c in CATEGORIES}
+def breakdown_to_dict(b: Breakdown, detail: bool = True) -> dict[str, Any]:
+    """A breakdown as JSON-ready plain data (what crosses a process boundary, or a file)."""
+    out: dict[str, Any] = {c: int(b[c]) for c in CATEGORIES}
+    if detail:
+        out["detail"] = [[c, label, int(n)] for c, label, n in b.detail]
+    return out
+
+
+def breakdown_from_dict(d: Mapping[str, Any]) -> Breakdown:
+    return Breakdown(**{c: int(d.get(c, 0)) for c in CATEGORIES},
+                     detail=tuple((str(c), str(label), int(n)) for c, label, n in d.get("detail", ())))
+
+

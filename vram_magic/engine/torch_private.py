@@ -261,6 +261,21 @@ def memory_snapshot() -> Any:
     return torch.cuda.memory._snapshot()
 
 
+def lazy_call(function: Any) -> None:
+    """``torch.cuda._lazy_call``: ``function()`` now if CUDA is initialised, else queued to run right after PyTorch
+    initialises it (inside its initialisation lock: ``function`` must not call back into ``torch.cuda``'s lazy
+    machinery, and must not raise, which would fail the user's initialisation). Checked on torch 2.5.1, 2.13, 2.15."""
+    torch.cuda._lazy_call(function)
+
+
+def attach_oom_observer() -> Any:
+    """``torch._C._cuda_attach_out_of_memory_observer`` (CUDA builds: torch 2.5.1, 2.13, 2.15), or None on a build
+    without CUDA. The observer is called as ``f(device, block size asked, device total or the allowed maximum,
+    device free)`` after the allocator gave up, with its lock released; attaching it initialises CUDA, and an
+    observer cannot be detached."""
+    return getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+
+
 # --- torch.distributed --------------------------------------------------------------------------------------
 
 def group_store_entry(group: Any) -> Any:
@@ -274,12 +289,12 @@ def group_store_entry(group: Any) -> Any:
 
 __all__ = [
     "DYNAMO_MODULE", "MODULE_APPLY", "OpOverload", "TRACING_TENSORS_PACKAGE", "TRACING_TENSORS_PREFIX",
-    "TorchDispatchMode", "cuda_has_primary_context", "cuda_history_enabled", "current_autograd_node",
-    "current_graph_task_id",
-    "current_mode_stack", "default_device_context", "disable_current_modes", "group_store_entry",
-    "has_kernel_for_dispatch_key", "leave_mode_stack", "memory_snapshot", "modes_ignore_compile_internals",
-    "never_compiled", "optimized_module_class", "patch_storage_resize", "pop_mode", "profiler_enabled",
-    "profiler_event_type", "profiler_record_scope", "push_mode", "python_profiler_enabled",
-    "record_memory_history", "set_module_apply", "set_record_memory_history", "start_memory_profiler",
-    "stop_profiler", "storage_resize", "unpatch_storage_resize",
+    "TorchDispatchMode", "attach_oom_observer", "cuda_has_primary_context", "cuda_history_enabled",
+    "current_autograd_node", "current_graph_task_id", "current_mode_stack", "default_device_context",
+    "disable_current_modes", "group_store_entry", "has_kernel_for_dispatch_key", "lazy_call", "leave_mode_stack",
+    "memory_snapshot", "modes_ignore_compile_internals", "never_compiled", "optimized_module_class",
+    "patch_storage_resize", "pop_mode", "profiler_enabled", "profiler_event_type", "profiler_record_scope",
+    "push_mode", "python_profiler_enabled", "record_memory_history", "set_module_apply",
+    "set_record_memory_history", "start_memory_profiler", "stop_profiler", "storage_resize",
+    "unpatch_storage_resize",
 ]

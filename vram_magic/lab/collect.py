@@ -16,8 +16,9 @@ from datetime import datetime
 from typing import Any
 
 from ..core.breakdown import CATEGORIES, LABELS
+from ..engine.host import procs
 from ..render import COLORS
-from . import procs, schema
+from . import schema
 from .figures import FiguresReader
 from .nvml import Nvml, NvmlDevice, same_device
 from .pids import KernelPid, KernelPids
@@ -85,6 +86,13 @@ def namespace_notes(devices: list[NvmlDevice], foreign: list[int], kernels: list
                          f"{' (MIG mode)' if dev.mig else ''}: kernels' GPU memory there comes from their own "
                          "figures where vram_magic is loaded.")
     return notes
+
+
+def _with_children(pid: int) -> int | None:
+    own = procs.rss(pid)
+    if own is None:
+        return None
+    return own + sum(procs.rss(c) or 0 for c in procs.children(pid))
 
 
 def _own_gpu(figures: schema.Figures | None, devices: list[NvmlDevice], nvml_gpu: list[schema.Gpu]) -> list[schema.Gpu]:
@@ -162,7 +170,8 @@ class Collector:
             model = {"id": kid}
         reported, launched = (entry.reported, entry.launched) if entry else (None, None)
         pid_local, chain = procs.local_pid(reported, launched)
-        rss = procs.rss(pid_local) if pid_local else None
+        # the kernel's and its children's (data-loader workers, forked ranks): what the notebook holds of the host
+        rss = _with_children(pid_local) if pid_local else None
         if pid_local is None and entry is not None and entry.usage:
             rss = entry.usage.get("kernel_memory")
         figures = self.figures.match(files, kid, (reported, pid_local))

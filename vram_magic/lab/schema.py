@@ -92,7 +92,7 @@ class Kernel(TypedDict):
     pid_source: Literal["kernel", "provisioner"] | None
     local_pid: int | None  # the pid in the server's pid namespace
     nspid: list[int] | None  # the pid in each nested namespace, outermost first
-    rss: int | None  # resident bytes
+    rss: int | None  # resident bytes of the kernel and its child processes
     gpu: list[Gpu]
     vram_magic: Figures | None  # its own figures, where vram_magic is loaded
     history: list[tuple[float, int | None, int]]  # (time s, rss, gpu bytes)

@@ -38,6 +38,8 @@ class VramMagics(Magics):
                    "record: compiled code runs compiled)").tag(config=True)
     record_sites = Bool(True, help="Record the user code line of each allocation (timeline, peak sites).").tag(
         config=True)
+    oom = Bool(True, help="Explain every out-of-memory error under its traceback, in any cell (%vram oom on|off); "
+               "costs nothing per op").tag(config=True)
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
@@ -52,6 +54,12 @@ class VramMagics(Magics):
         self._awaiting = awaiting_cells(shell)
         shell.input_transformers_post.append(self._awaiting)
         self.observe(lambda ch: self.session.resize(ch["new"]), names="history_size")
+        from ..oom.black_box import BlackBox
+
+        self.black_box = BlackBox(shell, self.session)
+        if self.oom:
+            self.black_box.arm()
+        self.observe(lambda ch: self.black_box.arm() if ch["new"] else self.black_box.disarm(), names="oom")
 
     # --- %%vram ----------------------------------------------------------------------------------
     @magic_arguments()
@@ -144,6 +152,7 @@ class VramMagics(Magics):
         if self._awaiting in self.shell.input_transformers_post:
             self.shell.input_transformers_post.remove(self._awaiting)
         self.set_auto(False)
+        self.black_box.disarm()
         self.session.close()  # the %vram watch monitor stops with it
 
 

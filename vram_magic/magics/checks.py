@@ -26,6 +26,7 @@ class Host(Protocol):
     live_interval: float
     backend: str
     record_sites: bool
+    oom: bool
 
     def set_auto(self, on: bool) -> None: ...
 

@@ -15,6 +15,7 @@ LINE_HELP = (
     "%vram history         one row per measured cell (pandas DataFrame)\n"
     "%vram diff [A B]      compare two measured cells (default: the last two)\n"
     "%vram auto on|off     measure every cell\n"
+    "%vram oom on|off      explain every out-of-memory error under its traceback (on by default)\n"
     "%vram budget SIZE|off simulate a device of SIZE (e.g. 4GiB) for the following cells\n"
     "%vram save PATH [N]   write cell N's (default: last) allocation history as a PyTorch snapshot pickle\n"
     "%vram export PATH     write the history as .csv or .json\n"
@@ -52,6 +53,12 @@ def line_command(host: Host, line: str) -> Any:
                 raise UsageError("usage: %vram auto on|off")
             host.set_auto(rest[0] == "on")
             print(f"%vram auto {rest[0]}: {'every cell is measured' if session.auto else 'cells are not measured'}")
+            return None
+        if cmd == "oom":
+            if rest not in (["on"], ["off"]):
+                raise UsageError("usage: %vram oom on|off")
+            host.oom = rest[0] == "on"
+            print(f"%vram oom {rest[0]}: out-of-memory errors are {'explained' if host.oom else 'not explained'}")
             return None
         if cmd == "watch":
             from .watch import watch_command

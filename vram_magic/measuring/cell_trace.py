@@ -4,7 +4,7 @@ and each allocation's category, line and module."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..core.events import Block, Trace
@@ -80,10 +80,11 @@ def live_rows(registry: LiveStorages, device: str, scan: Scan,
 
 def block_trace(device: str, source: StorageCounts | ReplayedBlock, scans: tuple[Scan, Scan], alive: Mapping[int, int],
                 expanded: Mapping[int, int], counted: Counted, counts: StorageCounts | None,
+                steps: Sequence[tuple[int, int, int]],
                 cell_files: Mapping[str, int] | None) -> Trace:
     """The block's trace: the storages alive before it (summed where alive throughout), then each allocation with
     its category (the owner the scan after found, else its role or phase), line and module. ``scans``: the
-    namespace before and after the block."""
+    namespace before and after the block; ``steps``: where generate()'s stages began in the history."""
     scan_before, scan_after = scans
     blocks: dict[int, Block] = {}
     freed = {-ev for ev in source.events if ev < 0}
@@ -128,7 +129,7 @@ def block_trace(device: str, source: StorageCounts | ReplayedBlock, scans: tuple
                                names.get(module, "") if module else "")
     return Trace(device, blocks, tuple(initial), source.events, source.peak_index, source.truncated,
                  base=tuple((c, lab, n) for (c, lab), n in base.items()),
-                 steps=tuple((i, phase_names[p], n) for i, p, n in getattr(source, "steps", ())))
+                 steps=tuple((i, phase_names[p], n) for i, p, n in steps))
 
 
 __all__ = ["alive_replayed", "alive_tracked", "block_trace", "live_rows"]

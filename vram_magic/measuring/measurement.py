@@ -27,6 +27,7 @@ from ..core.breakdown import Breakdown
 from ..core.units import format_bytes, parse_size
 from ..engine.cuda import device as cuda
 from ..engine.hooks.compiled import eager_while_tracked
+from ..engine.host.sampler import HostSampler
 from ..engine.profiler.kernel_scratch import ScratchRecorder
 from ..engine.profiler.recorder import AllocatorRecorder, ReplayedBlock, replay
 from ..engine.scan.attribution import Scan, scan_namespace
@@ -71,8 +72,10 @@ class Measurement:
         source: str = "",
         cell_files: Mapping[str, int] | None = None,
         backend: str = "auto",
+        host: bool = True,
     ) -> None:
         self.device = cuda.resolve_device(device)
+        self.host = host
         self.namespace = namespace
         self.budget = parse_size(budget) if budget is not None else None
         self.previous = previous
@@ -88,6 +91,7 @@ class Measurement:
         self.report: CellReport | None = None
         self._tracker: Tracker | None = None
         self._recorder: AllocatorRecorder | None = None
+        self._host: HostSampler | None = None
         self._running = False
 
     # --- forward to the report once there is one --------------------------------------------------
@@ -165,6 +169,7 @@ class Measurement:
             rows[g.owner] = rows.get(g.owner, 0) + g.total
         counted.start_serial = self.registry.next_serial()
         self._before_rows = rows
+        self._host = HostSampler().start() if self.host else None
         counted.before_owner = owner
         self._cuda: cuda.CudaCell | None = None
         self._stance: Any = None
@@ -191,6 +196,8 @@ class Measurement:
         except BaseException:
             self._undo_stance()
             self._undo_cuda()
+            if self._host is not None:
+                self._host.stop()
             raise
         self._running = True
         return self
@@ -263,8 +270,9 @@ class Measurement:
         finally:
             wall = time.perf_counter() - self._t0
             try:
+                host, self._host = (self._host.stop() if self._host is not None else None), None
                 end = BlockEnd(self._settle(tracker, oom_tb), wall, exc_type, exc, tracker, replayed, roots,
-                               self._cuda, notes)
+                               self._cuda, notes, host)
             except Exception as err:
                 end = err
             self._undo_cuda()  # read last: after the frames' frees
@@ -312,6 +320,7 @@ def measure(
     previous: CellReport | None = None,
     record_sites: bool = True,
     backend: str = "auto",
+    host: bool = True,
 ) -> Measurement:
     """Measure the memory of a block of code::
 
@@ -323,6 +332,8 @@ def measure(
     caller's globals and locals). ``budget``: simulated device size (``"48MiB"``); past it the block raises
     ``torch.OutOfMemoryError``. ``previous``: a report to diff against. ``backend``: ``"auto"``,
     ``"tracker"`` or ``"allocator"`` (see the module's docstring); the report's ``backend`` says which measured.
+    ``host``: also sample the resident memory of this process and its children while the block runs
+    (``report.host``; Linux's ``/proc``).
 
     Blocks may nest (each counts what happens inside it). Between blocks, storages stay known to one
     process-wide weak registry: what an earlier block saw and is still alive counts in the next block's
@@ -333,7 +344,7 @@ def measure(
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, str))):
         raise TypeError(f"budget must be a size like '4GiB' or a number of bytes, not {type(budget).__name__}")
     return Measurement(device, namespace=namespace, budget=budget, previous=previous, record_sites=record_sites,
-                       backend=backend)
+                       backend=backend, host=host)
 
 
 __all__ = ["BACKENDS", "Measurement", "format_bytes", "measure"]

@@ -9,13 +9,14 @@ details, the notes and the advice.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
 from ..core.breakdown import Breakdown
 from ..core.events import Trace
+from ..core.host import HostUsage
 from ..engine.cuda import device as cuda
 from ..engine.profiler.kernel_scratch import add_scratch, sizes_of, spikes, window_events
 from ..engine.profiler.recorder import ReplayedBlock
@@ -69,6 +70,7 @@ class BlockEnd:
     scratch_roots: Any = None
     cuda_cell: cuda.CudaCell | None = None
     notes: list[str] = field(default_factory=list)
+    host: HostUsage | None = None
 
 
 def kernel_scratch_notes(tracker: Tracker, roots: Any) -> list[str]:
@@ -85,7 +87,8 @@ def kernel_scratch_notes(tracker: Tracker, roots: Any) -> list[str]:
         return ["PyTorch's profiler was started inside the block and ended the recording of kernel scratch: "
                 "the peak counts only the tensors of the ops it times"]
     windows = tracker.scratch.windows
-    add_scratch(counts, spikes(window_events(roots, windows), windows, sizes_of(counts), counts.events))
+    add_scratch(counts, spikes(window_events(roots, windows), windows, sizes_of(counts), counts.events),
+                tracker.generation.steps)
     return []
 
 
@@ -174,6 +177,7 @@ def build_report(block: BlockSettings, start: BlockStart, end: BlockEnd) -> Cell
         assert replayed is not None
         alive = alive_replayed(start.registry, block.device, replayed)
     trace = block_trace(block.device, source, (start.scan, end.scan), alive, expanded, start.counted, counts,
+                        tracker.generation.steps if tracker is not None else (),
                         block.cell_files)
     stats_after = cuda.device_stats(block.device) if block.device.startswith("cuda") else None
     after = trace.breakdown_at(len(trace.events)) if not trace.truncated else Breakdown.from_rows(
@@ -202,14 +206,13 @@ def build_report(block: BlockSettings, start: BlockStart, end: BlockEnd) -> Cell
         stats=stats_after,
         error=None if end.exc_type is None else f"{end.exc_type.__name__}: {end.exc}",
         oom=oom,
-        notes=tuple(dict.fromkeys(notes)),
+        notes=tuple(dict.fromkeys([*notes, *([end.host.warning()] if end.host and end.host.near_limit else [])])),
         source=block.source,
         trace=trace,
         backend=block.backend,
+        host=end.host,
     )
-    # the report is not shared yet: set its advice in place (dataclasses.replace would build it twice)
-    object.__setattr__(report, "advice", tuple(advise(report)))
-    return report
+    return replace(report, advice=tuple(advise(report)))
 
 
 __all__ = ["BlockEnd", "BlockSettings", "BlockStart", "build_report", "kernel_scratch_notes", "oom_info",

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ..core.breakdown import Breakdown
     from ..core.device_stats import DeviceStats
     from ..core.events import Trace
+    from ..core.host import HostUsage
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class CellReport(Rendered):
     source: str = ""
     trace: Trace | None = field(default=None, repr=False, compare=False)
     backend: str = "tracker"  # which backend measured: "tracker" (dispatch level) or "allocator"
+    host: HostUsage | None = None  # the process's and its children's resident memory (None: no /proc here)
 
     @property
     def total(self) -> int:

@@ -52,6 +52,7 @@ class Session:
         self.namespace = namespace
         self.registry = LiveStorages()
         self.history: deque[CellReport] = deque(maxlen=history_size)
+        self.ooms: deque[Any] = deque(maxlen=history_size)  # out-of-memory reports of cells nobody measured
         self.budget: int | None = None
         self.record_sites = True
         self.active: Measurement | None = None
@@ -113,6 +114,7 @@ class Session:
         if history_size < 1:
             raise ValueError("history_size must be at least 1")
         self.history = deque(self.history, maxlen=history_size)
+        self.ooms = deque(self.ooms, maxlen=history_size)
 
     # --- reading ---------------------------------------------------------------------------------
     def now(self, device: Any = None) -> MemoryNow:
@@ -144,7 +146,7 @@ class Session:
     def history_frame(self) -> pd.DataFrame:
         from .tables import history_frame
 
-        return history_frame(list(self.history))
+        return history_frame(list(self.history), list(self.ooms))
 
     def diff(self, a: int | str | None = None, b: int | str | None = None) -> pd.DataFrame:
         from .tables import diff_frame

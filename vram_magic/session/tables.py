@@ -7,6 +7,7 @@ plain DataFrames, so a value that is no longer a byte count is never printed as 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..core.breakdown import shown_categories
@@ -29,13 +30,15 @@ def _with_formats(frame: pd.DataFrame, formats: dict[str, Any]) -> pd.DataFrame:
     return out
 
 
-def history_frame(reports: list[CellReport]) -> pd.DataFrame:
+def history_frame(reports: list[CellReport], ooms: Sequence[Any] = ()) -> pd.DataFrame:
     """One row per measured cell: categories after the cell, total, peak, delta, wall time (bytes, seconds). A
     ``kv_cache`` column where some cell left a KV cache behind (a ``generate()`` output kept), and its peak's
-    KV cache (``peak_kv_cache``) where some cell generated."""
+    KV cache (``peak_kv_cache``) where some cell generated. ``ooms``: the out-of-memory reports of cells nobody
+    measured, each a row in the cells' order with what was alive at the failure (``oom`` True; no peak, delta or
+    wall time)."""
     import pandas as pd
 
-    shown = shown_categories(*[r.after for r in reports])
+    shown = shown_categories(*[r.after for r in reports], *[o.alive for o in ooms])
     peak_kv = any(r.peak["kv_cache"] for r in reports)
     rows = []
     for r in reports:
@@ -46,6 +49,11 @@ def history_frame(reports: list[CellReport]) -> pd.DataFrame:
         if peak_kv:
             row["peak_kv_cache"] = r.peak["kv_cache"]
         rows.append(row)
+    for o in ooms:
+        row = {"cell": o.cell, "device": o.device, **{c: o.alive[c] for c in shown}, "total": o.alive.total,
+               "peak": None, "delta": None, "wall_time_s": None, "oom": True, "error": o.error}
+        rows.append(row)
+    rows.sort(key=lambda row: (row["cell"] is None, row["cell"] or 0))
     extra = ["peak_kv_cache"] if peak_kv else []
     columns = ["cell", "device", *shown, "total", "peak", *extra, "delta", "wall_time_s", "oom", "error"]
     frame = pd.DataFrame(rows, columns=columns)

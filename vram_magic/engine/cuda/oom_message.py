@@ -29,6 +29,8 @@ _UNITS = {"bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**
 _SIZE = r"([0-9]+(?:\.[0-9]+)?) (bytes|KiB|MiB|GiB|TiB)"
 _NATIVE = re.compile(r"Tried to allocate " + _SIZE)
 _ASYNC = re.compile(r"Requested\s*:\s*" + _SIZE)
+# "GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free" (2.1's "capacty" too)
+_CAPACITY = re.compile(r"total capac\w* of " + _SIZE + r" of which " + _SIZE + r" is free")
 
 
 def format_size(n: int) -> str:
@@ -102,6 +104,15 @@ def requested_bytes(message: str) -> int | None:
     return parsed.requested if parsed is not None else None
 
 
+def device_in_message(message: str) -> tuple[int, int] | None:
+    """``(total, free)`` bytes of the device, as the native allocator's message gives them (two decimals)."""
+    match = _CAPACITY.search(message)
+    if match is None:
+        return None
+    total, unit, free, free_unit = match.groups()
+    return _bytes(total, unit), _bytes(free, free_unit)
+
+
 def oom_from_trace(entries: Iterable[Mapping[str, Any]]) -> int | None:
     """The ``size`` of the last ``oom`` entry of an allocator trace (``torch/csrc/cuda/memory_snapshot.cpp``
     writes ``{"action": "oom", "device_free": ..., "size": ...}``): the request rounded up to 512 bytes."""
@@ -112,4 +123,5 @@ def oom_from_trace(entries: Iterable[Mapping[str, Any]]) -> int | None:
     return size
 
 
-__all__ = ["OomRequest", "format_size", "oom_from_trace", "parse_oom_message", "requested_bytes"]
+__all__ = ["OomRequest", "device_in_message", "format_size", "oom_from_trace", "parse_oom_message",
+           "requested_bytes"]

@@ -259,10 +259,11 @@ def counted_between(tracker_events: Sequence[int], before: int, after: int, size
     return counted
 
 
-def add_scratch(tracker: Any, found: Sequence[tuple[int, int, int, int]]) -> None:
-    """Put each call's scratch in ``tracker``'s history right after the call: a block allocated and freed at once,
-    its role :data:`SCRATCH`; the peak is found again, and the indices into the history that the tracker keeps
-    (an out-of-memory's, generate()'s steps) move past the blocks put before them."""
+def add_scratch(tracker: Any, found: Sequence[tuple[int, int, int, int]],
+                steps: list[tuple[int, int, int]] | None = None) -> None:
+    """Put each call's scratch in ``tracker``'s history (the tracker's counts) right after the call: a block allocated
+    and freed at once, its role :data:`SCRATCH`; the peak is found again, and the indices into the history that the
+    tracker keeps (an out-of-memory's; ``steps``, generate()'s stages) move past the blocks put before them."""
     if not found:
         return
     allocs, roles, registry = tracker.allocs, tracker.roles, tracker.registry
@@ -286,8 +287,7 @@ def add_scratch(tracker: Any, found: Sequence[tuple[int, int, int, int]]) -> Non
 
     if tracker.oom and "index" in tracker.oom:
         tracker.oom["index"] = moved(tracker.oom["index"])
-    steps = getattr(tracker, "steps", None)
-    if isinstance(steps, list):
+    if steps is not None:
         steps[:] = [(moved(i), *rest) for i, *rest in steps]
     size = sizes_of(tracker)
     current = peak = sum(tracker.initial.values()) + tracker.grouped_bytes + sum(tracker.late.values())

@@ -18,14 +18,14 @@ import torch
 from ...core.units import format_bytes
 from ..phases import PHASE_NAMES, Phase
 from ..scan.registry import Entry, LiveStorages, storage_size
-from ..tensors import is_wrapper, returned_tensors
+from ..tensors import is_wrapper
 from ..torch_private import current_autograd_node as _current_node
 from ..torch_private import current_graph_task_id as _graph_task
 from . import op_kinds
 from .frames import user_site
 from .now import Now
 from .observer import TrackerObserver
-from .oom_frames import name_holders
+from .oom_frames import BudgetOutOfMemoryError, name_holders
 from .op_kinds import ALIASING, FRESH_IDS, RESIZING
 from .scratch_ops import SCRATCH
 from .sites import engine_frame
@@ -193,7 +193,7 @@ class StorageCounts:
             f"{format_bytes(size)}; {format_bytes(self.current)} of the {format_bytes(self.budget or 0)} "
             f"budget already in use ({format_bytes(max((self.budget or 0) - self.current, 0))} free)."
         )
-        raise torch.OutOfMemoryError(msg)
+        raise BudgetOutOfMemoryError(msg)
 
     def count_late(self, storage: Any) -> None:
         """A storage alive before the cell that no scan found (seen as an op's input/alias): counted as alive
@@ -313,8 +313,12 @@ class StorageCounts:
             self.observer.storage_counted(entry)
 
     def see_outputs(self, out: Any, func: Any) -> None:
-        for t in returned_tensors(out):
-            self.see(t, func)
+        if isinstance(out, torch.Tensor):  # on the per-op path: no tuple made, no call more
+            self.see(out, func)
+            return
+        for o in out if isinstance(out, (tuple, list)) else ():
+            if isinstance(o, torch.Tensor):
+                self.see(o, func)
 
     def scratch_block(self, size: int, before: int) -> None:
         """Scratch an op just made and freed: a block allocated and freed at once, after the op's outputs

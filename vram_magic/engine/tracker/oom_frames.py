@@ -1,4 +1,4 @@
-"""The user's frames at an out-of-memory error: who held what (named while the frames are alive), and the
+"""The user's frames at an error, an out-of-memory one first: who held what (named while the frames are alive), and the
 traceback ended at the user's last frame with the finished frames' locals released, so what they held is freed."""
 
 from __future__ import annotations
@@ -10,6 +10,63 @@ import torch
 
 from ..tensors import storage_parts
 from .frames import PACKAGE_DIR, is_user_code
+
+
+class ShownAtUsersLine:
+    """An error of this package's whose traceback, in IPython, ends at the user's line: without this package's frames
+    or PyTorch's after it (IPython asks the error itself for its traceback: ``_render_traceback_``; elsewhere the whole
+    chain prints)."""
+
+    __traceback__: TracebackType | None
+
+    def _render_traceback_(self) -> list[str]:
+        from IPython import get_ipython
+
+        # each error of the chain (what this one was raised from) shown down to the user's line of its own
+        chain: list[BaseException] = []
+        e: BaseException | None = self  # type: ignore[assignment]
+        while e is not None and e not in chain:
+            chain.append(e)
+            e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+        saved = [c.__traceback__ for c in chain]
+        try:
+            for c in chain:
+                c.__traceback__ = user_traceback(c.__traceback__)
+            shell = get_ipython()
+            if shell is None:
+                import traceback
+
+                return traceback.format_exception(type(self), self, self.__traceback__)  # type: ignore[arg-type]
+            return shell.InteractiveTB.structured_traceback(type(self), self, self.__traceback__)
+        finally:
+            for c, tb in zip(chain, saved):
+                c.__traceback__ = tb
+
+
+class BudgetOutOfMemoryError(ShownAtUsersLine, torch.OutOfMemoryError):
+    """``torch.OutOfMemoryError`` raised by a simulated budget (``--budget``): its traceback reads as a real device's
+    error does, ending at the user's line."""
+
+
+def user_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """A copy of ``tb`` from the user's first frame to their last (what lies outside is this package's, PyTorch's
+    and the other libraries' frames: where an error was caught and raised again, and where it was raised); ``tb``
+    itself is left as it is. ``tb`` unchanged where no frame is the user's."""
+    kept: list[TracebackType] = []
+    first_user = last_user = -1
+    t = tb
+    while t is not None:
+        kept.append(t)
+        if is_user_code(t.tb_frame.f_code):
+            last_user = len(kept) - 1
+            first_user = last_user if first_user < 0 else first_user
+        t = t.tb_next
+    if last_user < 0:
+        return tb
+    out: TracebackType | None = None
+    for t in reversed(kept[first_user:last_user + 1]):
+        out = TracebackType(out, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return out
 
 
 def release_traceback(tb: TracebackType) -> None:

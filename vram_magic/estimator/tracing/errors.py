@@ -10,13 +10,15 @@ from typing import Any
 
 from torch import nn
 
+from ...engine.tracker.oom_frames import ShownAtUsersLine
 from ..fake.convert import TensorSpec, is_named_tuple, takes_one
 from .tracer import BACKWARD, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD
 
 
-class EstimateError(RuntimeError):
+class EstimateError(ShownAtUsersLine, RuntimeError):
     """The model could not run on fake tensors for a reason in the model or its inputs (not a fake-tensor
-    limitation): a shape mismatch, a missing argument, an exception in user code."""
+    limitation): a shape mismatch, a missing argument, an exception in user code. In IPython its traceback ends at
+    the user's line (the ``estimate()`` call, or the model's code that failed), the estimator's frames left out."""
 
 
 STAGE_WORDS = {FORWARD: "the forward pass", LOSS: "the loss", BACKWARD: "the backward pass",

@@ -110,6 +110,8 @@ def notes_html(report: CellReport) -> str:
     modules = report.peak_modules(3)
     if modules:
         parts.append(f"<div>by module: {_list(modules)}</div>")
+    if report.host is not None and report.host.worth_saying():
+        parts.append(f"<div>{html.escape(report.host.line())}</div>")
     if report.advice:
         parts.append(f'<div style="margin-top:2px"><b>advice</b></div>{advice_html(report.advice)}')
     for note in report.notes:

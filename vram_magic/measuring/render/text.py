@@ -51,6 +51,8 @@ def report_text(report: CellReport) -> str:
         modules = report.peak_modules(3)
         if modules:
             lines.append("  by module: " + ", ".join(f"{m} {format_bytes(n)}" for m, n in modules))
+    if report.host is not None and report.host.worth_saying():
+        lines.append(f"  {report.host.line()}")
     if report.oom is not None:
         lines.append(oom_text(report))
     if report.error and report.oom is None:

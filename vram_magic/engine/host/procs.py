@@ -40,6 +40,11 @@ def _read(path: str) -> str | None:
         return None
 
 
+def status(pid: int | str = "self", root: str = _PROC) -> str | None:
+    """The text of ``/proc/<pid>/status`` (``"self"``: this process), ``None`` if it cannot be read."""
+    return _read(os.path.join(root, str(pid), "status"))
+
+
 def status_field(text: str, name: str) -> str | None:
     """The value of ``name:`` in a ``/proc/<pid>/status`` text, or ``None``."""
     prefix = name + ":"
@@ -149,6 +154,73 @@ def descendants(pid: int, root: str = _PROC, limit: int = 256) -> list[int]:
         out.append(p)
         queue.extend(children.get(p, ()))
     return out
+
+
+def children(pid: int, root: str = _PROC, limit: int = 256) -> list[int]:
+    """The processes ``pid`` started and theirs, nearest first: each thread's ``task/<tid>/children`` (Linux 3.5+,
+    no scan of the whole process table), else :func:`descendants`."""
+    tasks = os.path.join(root, str(pid), "task")
+    try:
+        tids = os.listdir(tasks)
+    except OSError:
+        return descendants(pid, root, limit)
+    out: list[int] = []
+    queue = [pid]
+    while queue and len(out) < limit:
+        p = queue.pop(0)
+        try:
+            tids = os.listdir(os.path.join(root, str(p), "task")) if p != pid else tids
+        except OSError:
+            continue
+        for tid in tids:
+            text = _read(os.path.join(root, str(p), "task", tid, "children"))
+            if text is None:
+                if p == pid:
+                    return descendants(pid, root, limit)  # a kernel without the file
+                continue
+            for c in text.split():
+                if c.isdigit() and int(c) not in out:
+                    out.append(int(c))
+                    queue.append(int(c))
+    return out[:limit]
+
+
+def available(root: str = _PROC) -> int | None:
+    """What this machine has left for a process: ``MemAvailable``, or what the process's cgroup (v2 or v1) still
+    allows when that is less; ``None`` where neither can be read."""
+    text = _read(os.path.join(root, "meminfo"))
+    left = None
+    if text is not None:
+        value = status_field(text, "MemAvailable")
+        if value and value.split()[0].isdigit():
+            left = int(value.split()[0]) * 1024
+    limit = _cgroup_left(root)
+    if limit is not None and (left is None or limit < left):
+        left = limit
+    return left
+
+
+def _cgroup_left(root: str) -> int | None:
+    text = _read(os.path.join(root, "self", "cgroup")) or ""
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":  # cgroup v2
+            base = os.path.join("/sys/fs/cgroup", parts[2].lstrip("/"))
+            limit, usage = _read(os.path.join(base, "memory.max")), _read(os.path.join(base, "memory.current"))
+        elif "memory" in parts[1].split(","):  # cgroup v1
+            base = os.path.join("/sys/fs/cgroup/memory", parts[2].lstrip("/"))
+            limit = _read(os.path.join(base, "memory.limit_in_bytes"))
+            usage = _read(os.path.join(base, "memory.usage_in_bytes"))
+        else:
+            continue
+        try:
+            lim, used = int((limit or "").strip()), int((usage or "").strip())
+        except ValueError:  # "max": no limit
+            return None
+        return None if lim >= 1 << 60 else max(lim - used, 0)
+    return None
 
 
 def local_pid(reported: int | None, launched: int | None, root: str = _PROC) -> tuple[int | None, tuple[int, ...]]:
