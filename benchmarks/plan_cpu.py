@@ -1,11 +1,13 @@
 """The planner's time model on this CPU against real steps: six models × six plans (baseline, checkpointing, half
-micro-batch × 2 accumulation, bf16 autocast, SGD with momentum, half the batch), each plan's real training step on
+micro-batch × 2 accumulation, bf16 autocast, SGD with momentum, half the batch) and the recipes' levers (an optimizer
+in backward, op-level checkpointing, activations saved on the host, and for the causal LMs the loss in 4 chunks:
+``--levers`` alone measures those beside the baseline), each plan's real training step on
 one thread beside the time the model predicts from the estimator's own trace of that configuration
 (``timing/step_time.step_time(micro_ops(trace, rates), options, trace, network)``, the numbers a plan's rows carry).
 Run::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/plan_cpu.py [--rounds 7] [--models mlp,gpt2] [--markdown]
-        [--save rows.jsonl] [--load rows.jsonl]
+        [--save rows.jsonl] [--load rows.jsonl] [--levers]
 
 ``--save`` appends each model's rows to a file as it finishes (a run on a busy machine takes a while); ``--load``
 reports on rows saved before (by runs of one model each, say) without measuring anything.
@@ -38,6 +40,8 @@ from torch import nn
 import vram_magic
 from vram_magic.estimator.fake.frameworks import enable_checkpointing
 from vram_magic.estimator.step.optimizers import make_optimizer
+from vram_magic.estimator.step.recipes.chunked_loss import ChunkedLoss
+from vram_magic.estimator.step.recipes.op_checkpointing import context_fn
 from vram_magic.estimator.step.trace import checkpoint_units
 from vram_magic.estimator.timing.cpu_profile import cpu_profile
 from vram_magic.estimator.timing.rates import cpu_rates
@@ -120,10 +124,20 @@ def batch_of(inputs: Any) -> int:
     return inputs.shape[0] if isinstance(inputs, torch.Tensor) else next(iter(inputs.values())).shape[0]
 
 
-def plans(batch: int) -> dict[str, dict[str, Any]]:
-    return {"baseline": {}, "checkpointing": {"checkpointing": True}, "micro/2 × 2": {"accumulate": 2},
-            "bf16 autocast": {"amp": "bf16"}, "sgd-momentum": {"optimizer": "sgd-momentum"},
-            "batch/2": {"batch": batch // 2}}
+CAUSAL_LMS = ("gpt2", "llama")
+
+
+def plans(batch: int, model: str = "", classic: bool = True) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {"baseline": {}}
+    if classic:
+        out.update({"checkpointing": {"checkpointing": True}, "micro/2 × 2": {"accumulate": 2},
+                    "bf16 autocast": {"amp": "bf16"}, "sgd-momentum": {"optimizer": "sgd-momentum"},
+                    "batch/2": {"batch": batch // 2}})
+    out.update({"optimizer in backward": {"optimizer_in_backward": True}, "op-level checkpointing":
+                {"checkpointing": "ops"}, "activations on the host": {"offload_activations": True}})
+    if model in CAUSAL_LMS:
+        out["loss in 4 chunks"] = {"loss_chunks": 4}
+    return out
 
 
 # --- a real step ---------------------------------------------------------------------------------------------------
@@ -138,32 +152,55 @@ class RealStep:
     """One plan's model, optimizer and inputs, trained for real."""
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: Any
     parts: list[Any]
     amp: torch.dtype | None
+    in_backward: bool = False
+    offload: bool = False
+    chunked: Any = None
 
     @classmethod
     def of(cls, model: nn.Module, inputs: Any, opts: dict[str, Any]) -> RealStep:
         model = copy.deepcopy(model).train()
-        if opts.get("checkpointing"):
+        if opts.get("checkpointing") == "ops":  # torchtitan's op policy around each block, as the estimate applies it
+            enable_checkpointing(model, checkpoint_units(model), 1, modes=False, context_fn=context_fn("ops", False))
+        elif opts.get("checkpointing"):
             enable_checkpointing(model, checkpoint_units(model), int(opts["checkpointing"]))
         batch = opts.get("batch") or batch_of(inputs)
         k = opts.get("accumulate", 1)
         size = -(-batch // k)
         parts = [rows(inputs, i * size, min((i + 1) * size, batch)) for i in range(k)]
-        optimizer = make_optimizer(opts.get("optimizer", "adamw"), list(model.parameters()), "cpu")
         amp = torch.bfloat16 if opts.get("amp") == "bf16" else None
-        return cls(model, optimizer, parts, amp)
+        chunked = ChunkedLoss.of(model, opts["loss_chunks"], inputs) if opts.get("loss_chunks") else None
+        if opts.get("optimizer_in_backward"):  # PyTorch's recipe: one optimizer per parameter, stepped by its hook
+            per = {p: make_optimizer(opts.get("optimizer", "adamw"), [p], "cpu") for p in model.parameters()}
+
+            def step(p: torch.Tensor) -> None:
+                per[p].step()
+                per[p].zero_grad(set_to_none=True)
+
+            for p in model.parameters():
+                p.register_post_accumulate_grad_hook(step)
+            return cls(model, per, parts, amp, in_backward=True, chunked=chunked)
+        optimizer = make_optimizer(opts.get("optimizer", "adamw"), list(model.parameters()), "cpu")
+        return cls(model, optimizer, parts, amp, offload=bool(opts.get("offload_activations")), chunked=chunked)
 
     def __call__(self) -> None:
+        import contextlib
+
         for part in self.parts:
-            with torch.autocast("cpu", dtype=self.amp, enabled=self.amp is not None):
-                out = self.model(**part) if isinstance(part, dict) else self.model(part)
-                loss = out.loss if hasattr(out, "loss") else out.sum()
+            saving = torch.autograd.graph.save_on_cpu(pin_memory=True) if self.offload else contextlib.nullcontext()
+            with torch.autocast("cpu", dtype=self.amp, enabled=self.amp is not None), saving:
+                if self.chunked is not None:
+                    out, loss = self.chunked.forward_loss(part, lambda: None)
+                else:
+                    out = self.model(**part) if isinstance(part, dict) else self.model(part)
+                    loss = out.loss if hasattr(out, "loss") else out.sum()
             loss.backward()
             del out, loss
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if not self.in_backward:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
 
 def predicted(model: nn.Module, inputs: Any, opts: dict[str, Any]) -> float:
@@ -221,10 +258,10 @@ class Row:
     pred: float
 
 
-def run_model(name: str, rounds: int) -> list[Row]:
+def run_model(name: str, rounds: int, classic: bool = True) -> list[Row]:
     torch.manual_seed(0)
     model, inputs = MODELS[name]()
-    chosen = plans(batch_of(inputs))
+    chosen = plans(batch_of(inputs), name, classic)
     preds = {p: predicted(model, inputs, o) for p, o in chosen.items()}
     steps = {p: RealStep.of(model, inputs, o) for p, o in chosen.items()}
     real = measure(steps, rounds)
@@ -285,6 +322,7 @@ def main() -> None:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--save", help="append each model's rows to this file (JSON lines) as it finishes")
     ap.add_argument("--load", help="report on the rows in this file, measuring nothing")
+    ap.add_argument("--levers", action="store_true", help="the recipes' levers beside the baseline only")
     args = ap.parse_args()
     if args.load:
         with open(args.load) as f:
@@ -296,7 +334,7 @@ def main() -> None:
     print(cpu_profile().describe())
     out: list[Row] = []
     for name in args.models.split(","):
-        rs = run_model(name, args.rounds)
+        rs = run_model(name, args.rounds, classic=not args.levers)
         out.extend(rs)
         if args.save:
             with open(args.save, "a") as f:

@@ -10,6 +10,14 @@ with ``fsdp=True, world=2`` for FSDP2, and unsharded for DDP (every DDP rank hol
 
 FSDP2 runs on the CPU from PyTorch 2.7 on (2.5's needs CUDA streams, 2.6's CPU stream stub lacks
 ``record_event``); with an older PyTorch only DDP is measured.
+
+``--mixed`` measures FSDP2 as large runs configure it instead: a transformers Llama under ``fully_shard`` with
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``, the same with ``reduce_dtype=bf16``, with
+``CPUOffloadPolicy`` and with torchao's float8 linears (tests/support/fsdp_jobs.py, launched by
+tests/support/parallel_runs.py), against ``vram_magic.estimate(..., zero=3, world=2, param_dtype="bf16",
+device="cpu")`` per rank and per category::
+
+    .venv/bin/python benchmarks/ranks_fsdp_ddp.py --mixed [--markdown]
 """
 
 from __future__ import annotations
@@ -91,11 +99,43 @@ def measure(strategy: str, world: int = WORLD):
     return launched.reports
 
 
+def mixed(markdown: bool) -> int:
+    """FSDP2's mixed-precision and offload policies on 2 gloo ranks against the estimate, per rank and category."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: tests.support
+    from tests.support import fsdp_jobs
+    from tests.support import parallel_runs as pr
+
+    names = tuple(fsdp_jobs.VARIANTS)
+    runs = pr.run(WORLD, names)
+    print(f"model: transformers Llama {fsdp_jobs.LLAMA}, batch {fsdp_jobs.BATCH} × {fsdp_jobs.SEQ} tokens, AdamW, "
+          f"{pr.STEPS} steps, {WORLD} gloo processes on the CPU, torch {torch.__version__}")
+    head = ["case", "rank", *[f"{c.replace('_', ' ')} real / estimate" for c in pr.CATEGORIES], "peak real",
+            "estimate", "error", "worst category"]
+    rows = []
+    for name in names:
+        est = fsdp_jobs.estimate(name, WORLD)
+        for f in runs[name]:
+            err = pr.errors(f, est.peak)
+            total = sum(f["peak"].values())
+            worst = max(pr.CATEGORIES, key=lambda c: abs(err[c]))
+            rows.append([name, str(f["rank"]), *[f"{f['peak'][c]:,} / {est.peak[c]:,}" for c in pr.CATEGORIES],
+                         f"{total:,} B", f"{est.peak.total:,} B", f"{100 * err['total']:+.2f} %",
+                         f"{worst} {100 * err[worst]:+.2f} %"])
+    if markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+    for row in rows:
+        print(("| " + " | ".join(row) + " |") if markdown else "  ".join(row))
+    return 0
+
+
 def main() -> int:
     import vram_magic
     from vram_magic import format_bytes
 
     markdown = "--markdown" in sys.argv
+    if "--mixed" in sys.argv:
+        return mixed(markdown)
     world = int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else WORLD
     x = torch.randn(BATCH, WIDTH)
     estimates = {"ddp": vram_magic.estimate(Stack, x, device="cpu", steps=STEPS),

@@ -2,12 +2,14 @@
 beside PyTorch's profiler in the same rank, and beside a per-rank estimate when one is given.
 
 The jobs are :mod:`parallel_runs`'s (``tp-mlp``, ``tp-llama``, ``tp-llama-sp``, ``pp-gpipe``, ``pp-1f1b``: two AdamW
-steps each) on 2 and 4 ranks. Each rank's peak is split by category as ``vram_magic.measure()`` inside the rank
-splits it; "profiler" is the highest CPU memory PyTorch's profiler saw in the same rank running the same steps on a
-fresh copy of the job (its rise above where it started, added to the measurement's ``before``). Run::
+steps each) on 2 and 4 ranks; ``--stages`` runs its decoders cut into pipeline stages instead (``stages-*``,
+``tp-pp-*``: tests/support/decoder_pipelines.py), which are not profiled. Each rank's peak is split by category as
+``vram_magic.measure()`` inside the rank splits it; "profiler" is the highest CPU memory PyTorch's profiler saw in
+the same rank running the same steps on a fresh copy of the job (its rise above where it started, added to the
+measurement's ``before``). Run::
 
-    .venv/bin/python benchmarks/ranks_tp_pp.py [--world 2,4] [--cases tp-mlp,pp-1f1b] [--markdown] [--repeats N]
-        [--pp-batch ROWS] [--estimate]
+    .venv/bin/python benchmarks/ranks_tp_pp.py [--world 2,4] [--cases tp-mlp,pp-1f1b | --stages] [--markdown]
+        [--repeats N] [--pp-batch ROWS] [--estimate]
 
 ``--pp-batch ROWS`` gives the pipeline jobs another batch (default 256 rows, 4 micro-batches). ``--repeats N`` runs
 every job N times and prints the profiler's lowest and highest peak: on gloo a collective's
@@ -57,10 +59,14 @@ def table(runs: Mapping[int, Mapping[str, Sequence[dict[str, Any]]]], estimate: 
                 peak = f["peak"]
                 total = sum(peak[c] for c in pr.CATEGORIES)
                 before = sum(f["before"][c] for c in pr.CATEGORIES)
-                low, high = (spread or {}).get((world, name, f["rank"]), (f["profiler_rise"], f["profiler_rise"]))
-                profiled = f"{before + low:,}" if low == high else f"{before + low:,} – {before + high:,}"
-                lo, hi = (100 * (before + n - total) / total for n in (low, high))
-                delta = f"{lo:+.2f} %" if low == high else f"{lo:+.2f} … {hi:+.2f} %"
+                rise = f.get("profiler_rise")
+                low, high = (spread or {}).get((world, name, f["rank"]), (rise, rise))
+                if low is None:  # not profiled
+                    profiled = delta = "—"
+                else:
+                    profiled = f"{before + low:,}" if low == high else f"{before + low:,} – {before + high:,}"
+                    lo, hi = (100 * (before + n - total) / total for n in (low, high))
+                    delta = f"{lo:+.2f} %" if low == high else f"{lo:+.2f} … {hi:+.2f} %"
                 est = estimate(case, world, f["rank"]) if estimate is not None else None
                 if est is not None:
                     err = pr.errors(f, est)
@@ -117,7 +123,11 @@ def estimated(case: pr.Case, world: int, rank: int) -> Mapping[str, int]:
 
     key = (case.name, world)
     if key not in _ESTIMATES:
-        if case.kind == "tp" and case.model == "mlp":
+        if case.kind in ("stages", "tp-pp"):
+            from tests.support import decoder_pipelines
+
+            _ESTIMATES[key] = decoder_pipelines.estimate(case, world)
+        elif case.kind == "tp" and case.model == "mlp":
             _ESTIMATES[key] = vram_magic.estimate(pr.mlp, torch.randn(pr.TP_BATCH, pr.WIDTH), device="cpu", tp=world,
                                                   parallelize_plan=pr.mlp_plan(), loss_fn=lambda out: out.sum())
         elif case.kind == "tp":
@@ -150,7 +160,8 @@ def main(argv: Sequence[str] = sys.argv[1:], estimate: Estimate | None = None) -
         return args[args.index(name) + 1] if name in args else default
 
     worlds = [int(w) for w in option("--world", "2,4").split(",")]
-    names = option("--cases", ",".join(pr.CASES)).split(",")
+    kinds = ("stages", "tp-pp") if "--stages" in args else ("tp", "pp")
+    names = option("--cases", ",".join(n for n, c in pr.CASES.items() if c.kind in kinds)).split(",")
     repeats = int(option("--repeats", "1"))
     if "--pp-batch" in args:  # the launcher and its ranks read it from the environment
         os.environ["VRAM_PP_BATCH"] = option("--pp-batch", str(pr.PP_BATCH))
@@ -166,6 +177,8 @@ def main(argv: Sequence[str] = sys.argv[1:], estimate: Estimate | None = None) -
             for name, ranks in got.items():
                 for f in ranks:
                     key = (world, name, f["rank"])
+                    if "profiler_rise" not in f:
+                        continue
                     low, high = spread.get(key, (f["profiler_rise"], f["profiler_rise"]))
                     spread[key] = (min(low, f["profiler_rise"]), max(high, f["profiler_rise"]))
     wall = time.perf_counter() - started

@@ -338,3 +338,35 @@ def test_the_functional_collectives_are_told_apart() -> None:
     assert tp_collective(ops.all_reduce_.default) is None  # in place: no memory of its own
     assert tp_collective(ops.wait_tensor.default) is None
     assert tp_collective(torch.ops.aten.mm.default) is None
+
+
+# --- pipeline stages cut from transformers decoders ------------------------------------------------------------------
+@_LLAMA
+@_PIPELINES
+@pytest.mark.slow
+def test_decoder_stages_hold_their_own_layers_by_hand() -> None:
+    """The package's stage builder on real ranks (8 layers, hidden 64, vocab 256; 4 micro-batches of 2 × 64 tokens):
+    each rank holds its stages' layers, the first stage the embedding, the last the norm and the head; a rank
+    receives one buffer per micro-batch; Gemma's tied weight is held by the embedding and the head of the V's ends
+    (rank 0 under ZBV), a copy each; the middle of the V passes its tensors on the rank, its buffers the outputs."""
+    from tests.support import decoder_pipelines as dp
+
+    figures = pr.run_once(2, pr.cases_for(2, ("stages", "tp-pp")))
+    h, v = dp.DECODER["hidden_size"], dp.DECODER["vocab_size"]
+    layer = (2 * h * h + 2 * h * h // 2 + 3 * h * dp.DECODER["intermediate_size"] + 2 * h) * F32
+    embed, norm = v * h * F32, h * F32
+    hidden = dp.BATCH // dp.MICRO_BATCHES * dp.SEQ * h * F32  # one micro-batch's hidden state
+    r0, r1 = figures["stages-llama-1f1b"]
+    assert sum(r0["after_details"]["parameters"].values()) == embed + 4 * layer
+    assert sum(r1["after_details"]["parameters"].values()) == 4 * layer + norm + embed
+    assert r0["after_details"]["other"]["pipeline stage 0: receive buffers (gradients)"] == dp.MICRO_BATCHES * hidden
+    assert r1["after_details"]["other"]["pipeline stage 1: receive buffers (activations)"] == dp.MICRO_BATCHES * hidden
+    assert r1["after_details"]["other"]["pipeline stage 1: outputs kept for the merged output"] == \
+        dp.BATCH * dp.SEQ * v * F32
+    gemma = figures["stages-gemma-zbv"][0]
+    assert gemma["stages"] == [0, 3]
+    assert sum(gemma["after_details"]["parameters"].values()) == 2 * embed + 4 * layer + norm
+    middle = figures["stages-llama-zbv"][1]
+    assert middle["stages"] == [1, 2]
+    assert middle["after_details"]["other"]["pipeline stage 2: receive buffers (activations)"] == \
+        dp.MICRO_BATCHES * hidden

@@ -1,5 +1,6 @@
 """What the tests share: running cells in a real shell, the torch release's gaps, models and their real measured
-steps (``zoo.py``, ``generate_zoo.py``, ``llama.py``, ``models.py``), real gloo jobs (``parallel_runs.py``), a real
+steps (``zoo.py``, ``generate_zoo.py``, ``llama.py``, ``models.py``), real gloo jobs (``parallel_runs.py``, its decoders
+cut into pipeline stages in ``decoder_pipelines.py``), a real
 Jupyter server (``lab_server.py``) and kernel (``kernel.py``), CUDA's answers in PyTorch's shapes
 (``cuda_shapes.py``). The benchmarks import them from here."""
 

@@ -17,6 +17,16 @@ tensor-parallel step keeps its output and loss until it returns, as a training l
   ``ScheduleGPipe`` / ``Schedule1F1B`` with 4 micro-batches of 64 rows, loss ``out.sum()`` per micro-batch.
 * ``pp-interleaved`` (2 ranks): the four blocks as four stages of one block, two per rank (rank r holds stages r
   and r + 2), ``ScheduleInterleaved1F1B`` with 4 micro-batches.
+* ``stages-<arch>-<schedule>``: a transformers decoder (8 layers; Llama, Gemma) cut into stages by the package's
+  stage builder and trained by each of PyTorch's schedules, the zero-bubble ones too, with the model's own loss on
+  labels (tests/support/decoder_pipelines.py); ``-split`` at the split point ``model.layers.2``; ``tp-pp-llama`` (4
+  ranks): two pipeline stages, each tensor-parallel over two ranks (``-sp``: with sequence parallelism, the
+  estimate's default plan). Run only when asked for by name
+  (:func:`cases_for` with ``kinds``), and not profiled.
+* ``fsdp-llama-bf16`` (``-reduce-bf16``, ``-offload``, ``-float8``): a transformers Llama under FSDP2 with
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32 | bf16)``, with ``CPUOffloadPolicy`` for ``-offload``,
+  torchao's float8 linears for ``-float8`` (tests/support/fsdp_jobs.py); asked for by name (``kinds=("fsdp",)``), not
+  profiled.
 
 :func:`run` starts the ranks and returns plain numbers per rank (:class:`RankFigures` as dicts): the measured
 ``before``, ``after`` and ``peak`` by category with their details, the most each detail held at once, and the
@@ -76,14 +86,25 @@ class Case:
     sequence_parallel: bool = False
     schedule: str = ""
     micro_batches: int = 0
+    split_points: tuple[str, ...] = ()
 
     def fits(self, world: int) -> bool:
         """Whether the job runs on ``world`` ranks (the stages split the blocks evenly)."""
+        if self.kind == "tp-pp":
+            return world == 4
+        if self.kind == "stages":
+            return not self.split_points or world == len(self.split_points) + 1
         if self.kind != "pp":
             return True
         return PP_BLOCKS % (world * (2 if self.schedule == "interleaved" else 1)) == 0
 
     def describe(self, world: int) -> str:
+        if self.kind == "fsdp":
+            return f"{self.name}: Llama 4 layers under FSDP2, bf16 parameters, {world} ranks"
+        if self.kind in ("stages", "tp-pp"):
+            where = f" split at {', '.join(self.split_points)}" if self.split_points else ""
+            tp = ", each stage tensor-parallel over 2" if self.kind == "tp-pp" else ""
+            return f"{self.model} (8 layers) in stages{where}, {self.schedule}{tp}, {world} ranks"
         if self.schedule == "interleaved":
             return (f"{PP_BLOCKS} blocks as {PP_BLOCKS} stages, {PP_BLOCKS // world} per rank, "
                     f"ScheduleInterleaved1F1B, {self.micro_batches} micro-batches of {PP_BATCH // self.micro_batches}")
@@ -101,18 +122,26 @@ class Case:
 
 
 CASES: dict[str, Case] = {c.name: c for c in (
+    *(Case(name, "fsdp", "llama") for name in ("fsdp-llama-bf16", "fsdp-llama-bf16-reduce-bf16",
+                                               "fsdp-llama-bf16-offload", "fsdp-llama-bf16-float8")),
     Case("tp-mlp", "tp", "mlp"),
     Case("tp-llama", "tp", "llama"),
     Case("tp-llama-sp", "tp", "llama", sequence_parallel=True),
     Case("pp-gpipe", "pp", "blocks", schedule="gpipe", micro_batches=MICRO_BATCHES),
     Case("pp-1f1b", "pp", "blocks", schedule="1f1b", micro_batches=MICRO_BATCHES),
     Case("pp-interleaved", "pp", "blocks", schedule="interleaved", micro_batches=MICRO_BATCHES),
+    *(Case(f"stages-llama-{s}", "stages", "llama", schedule=s)
+      for s in ("gpipe", "1f1b", "interleaved", "interleaved-zb", "zbv", "dualpipev")),
+    Case("stages-llama-1f1b-split", "stages", "llama", schedule="1f1b", split_points=("model.layers.2",)),
+    *(Case(f"stages-gemma-{s}", "stages", "gemma", schedule=s) for s in ("1f1b", "zbv")),
+    Case("tp-pp-llama", "tp-pp", "llama", schedule="1f1b"),
+    Case("tp-pp-llama-sp", "tp-pp", "llama", sequence_parallel=True, schedule="1f1b"),
 )}
 
 
-def cases_for(world: int) -> tuple[str, ...]:
-    """The cases that run on ``world`` ranks."""
-    return tuple(name for name, case in CASES.items() if case.fits(world))
+def cases_for(world: int, kinds: tuple[str, ...] = ("tp", "pp")) -> tuple[str, ...]:
+    """The cases of ``kinds`` that run on ``world`` ranks."""
+    return tuple(name for name, case in CASES.items() if case.kind in kinds and case.fits(world))
 
 
 def static_stages() -> bool:
@@ -309,6 +338,16 @@ def _sum_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _job(case: Case, world: int, rank: int, mesh: Any) -> tuple[dict[str, Any], Callable[[], None]]:
+    if case.kind == "fsdp":  # FSDP2 with its mixed-precision (and offload) policy (tests/support/fsdp_jobs.py)
+        from tests.support import fsdp_jobs
+
+        return fsdp_jobs.job(case.name, world, rank)
+    if case.kind in ("stages", "tp-pp"):
+        from tests.support import decoder_pipelines
+
+        if case.kind == "stages":
+            return decoder_pipelines.job(case.model, case.schedule, world, rank, case.split_points)
+        return decoder_pipelines.tp_pp_job(case.model, case.schedule, world, rank, case.sequence_parallel)
     return _tp_job(case, world, mesh) if case.kind == "tp" else _pp_job(case, world, rank)
 
 
@@ -383,6 +422,11 @@ def _measure_case(case: Case, world: int, rank: int, mesh: Any) -> dict[str, Any
 
     stages = (interleaved_stages(world, rank) if case.schedule == "interleaved" else [rank]) if case.kind == "pp" \
         else []
+    if case.kind in ("stages", "tp-pp"):
+        from tests.support.decoder_pipelines import stages_of
+
+        tp = 2 if case.kind == "tp-pp" else 1
+        stages = stages_of(case.schedule, world // tp, rank // tp)[1]
     best: dict[str, Any] | None = None
     for run in range(TP_MEASURED_RUNS if case.kind == "tp" else 1):
         if run:
@@ -424,7 +468,8 @@ def _rank_main(rank: int, world: int, port: int, names: Sequence[str], folder: s
                 continue
             figures = _measure_case(case, world, rank, mesh)
             dist.barrier()
-            figures["profiler_rise"] = _profiled_rise(case, world, rank, mesh)
+            if case.kind in ("tp", "pp"):
+                figures["profiler_rise"] = _profiled_rise(case, world, rank, mesh)
             with open(os.path.join(folder, f"{name}-{rank}.json"), "w") as f:
                 json.dump(figures, f)
             dist.barrier()
@@ -446,7 +491,7 @@ def _launcher(world: int, names: Sequence[str], folder: str, armed: bool, pids: 
 
     import vram_magic  # noqa: F401
 
-    if any(CASES[n].model == "llama" for n in names):
+    if any(CASES[n].model in ("llama", "gemma") for n in names):
         import transformers  # noqa: F401
         from transformers import LlamaForCausalLM  # noqa: F401
     ctx = mp.get_context("fork")

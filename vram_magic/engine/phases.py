@@ -1,10 +1,10 @@
 """The phases of a step, one enumeration for the whole package, and what memory made in each counts as.
 
 The tracker notes the phase of every allocation it sees (``Tracker.phase()``): plain cell code, a module's
-forward (with or without grad), backward, an optimizer step, and inside ``generate()`` the prefill, the decode
-steps and a KV cache's updates. The estimator drives a step itself and says which part of it runs
-(``StepTracer.stage``): the same phases, with two of its own (the loss, ``zero_grad``); its ``SETUP`` (the code
-around the step) is the tracker's ``CELL``.
+forward (with or without grad), the loss (code outside any module after a forward with grad, before its backward),
+backward, an optimizer step, and inside ``generate()`` the prefill, the decode steps and a KV cache's updates. The
+estimator drives its built-in step itself and says which part of it runs (``StepTracer.stage``): the same phases, with
+one of its own (``zero_grad``); its ``SETUP`` (the code around the step) is the tracker's ``CELL``.
 
 Values are small integers (an :class:`~enum.IntEnum`): the tracker keeps bytes per phase in a list indexed by
 them, and stores them in each allocation's record.
@@ -25,7 +25,7 @@ class Phase(IntEnum):
     PREFILL = 5  # generate()'s prompt
     DECODE = 6  # generate()'s decode loop
     KV_UPDATE = 7  # a KV cache's update (its growth, a reorder, a crop)
-    LOSS = 8  # the estimator's loss, computed after the forward
+    LOSS = 8  # the loss: code outside any module after a forward with grad, before its backward
     ZERO_GRAD = 9  # the estimator's zero_grad after the optimizer step
 
 
@@ -35,7 +35,7 @@ PHASE_NAMES = ("cell", "forward", "backward", "optimizer", "inference", "prefill
 
 # The phases the tracker tells apart on its own (the others are set by whoever drives the step).
 TRACKED = (Phase.CELL, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, Phase.INFERENCE, Phase.PREFILL,
-           Phase.DECODE, Phase.KV_UPDATE)
+           Phase.DECODE, Phase.KV_UPDATE, Phase.LOSS)
 
 # memory a KV cache's update made (its growth, a static layer's preallocation, a quantized layer's dequantized
 # copy) that no scan found held at the end: the copies the cache replaced step by step
@@ -55,7 +55,9 @@ PHASE_CATEGORY: dict[int, tuple[str, str]] = {
     Phase.PREFILL: ("activations", "prefill intermediates"),
     Phase.DECODE: ("activations", "decode intermediates"),
     Phase.KV_UPDATE: KV_MADE,
-    Phase.LOSS: ("activations", "loss"),  # the loss computed outside any module (inside one: forward intermediates)
+    # the loss computed outside any module (inside one: forward intermediates): what it saves for backward (a chunked
+    # loss's log-probabilities) is an activation
+    Phase.LOSS: ("activations", "loss (outside modules)"),
     Phase.ZERO_GRAD: ("other", "zero_grad temporaries"),
 }
 

@@ -64,7 +64,8 @@ def estimate(
     zero: int | None = None,
     fsdp: bool = False,
     world: int = 1,
-    offload: bool = False,
+    offload: bool | str = False,
+    param_dtype: Any = None, reduce_dtype: Any = None, float8: bool = False,
     quantize: str | None = None,
     lora: int | None = None,
     gpu: str | GPU | None = None,
@@ -85,6 +86,12 @@ def estimate(
     micro_batches: int | None = None,
     schedule: str = "1f1b",
     parallelize_plan: dict[str, Any] | None = None,
+    step: Callable[[Any, Any, Any], Any] | None = None,
+    keep_output: bool | None = None,
+    optimizer_in_backward: bool = False,
+    offload_activations: bool = False,
+    loss_chunks: int | None = None,
+    cp: int = 1,
 ) -> Estimate:
     """Estimate the memory of a training (or inference) step of ``model`` on ``inputs``.
 
@@ -93,16 +100,22 @@ def estimate(
     dict of tensors, or a zero-argument callable returning them; dimension 0 is the batch.
     ``inference=True``: one forward pass under ``inference_mode`` instead of a training step; ``steps``: the
     training steps run (the first makes the optimizer's state; the peak is the last one's).
-    ``optimizer``: ``sgd``, ``sgd-momentum``, ``adam``, ``adamw``, ``adagrad``, ``rmsprop``, ``adafactor``,
-    an optimizer class, or an optimizer object (its class and hyper-parameters are reused).
+    ``optimizer``: ``sgd``, ``sgd-momentum``, ``adam``, ``adamw``, ``adagrad``, ``rmsprop``, ``adafactor``, the
+    recipes' ``adamw8bit``, ``adam8bit``, ``paged_adamw8bit``, ``paged_adamw`` (bitsandbytes), ``torchao_adamw8bit``,
+    ``torchao_adamw4bit``, ``torchao_adamw_fp8`` (their state modelled from the parameters' shapes; paged state in
+    CUDA managed memory is ``est.paged``, outside the peak) and ``muon`` (Muon for 2-D parameters, AdamW for the rest),
+    an optimizer class, or an optimizer object (its class and hyper-parameters are reused, bitsandbytes' bits, paging
+    and ``min_8bit_size`` and torchao's ``block_size`` included).
     ``dtype``: weights and inputs in bf16/fp16/fp32; ``amp``: autocast to bf16/fp16. ``master_weights="fp32"``
     (with ``dtype="bf16"`` or ``"fp16"``): the optimizer keeps an fp32 copy of the weights and updates it (mixed
     precision as DeepSpeed and Megatron train: 2 + 2 + 12 bytes per parameter with Adam).
     ``loss_fn(output)``: the loss; by default the output's ``loss`` (a Hugging Face model given ``labels``), else
     the sum of the output — the estimate's ``loss`` says which.
     ``checkpointing``: activation checkpointing (the model's own ``gradient_checkpointing_enable`` when it has
-    one, else of each block). ``accumulate=K`` splits the batch into K micro-batches. ``zero=1|2|3`` or
-    ``fsdp=True`` with ``world=N`` give per-rank memory; ``offload`` keeps optimizer state and its step on the host.
+    one, else of each block; ``"ops"``: op-level, below). ``accumulate=K`` splits the batch into K micro-batches.
+    ``zero=1|2|3`` or ``fsdp=True`` with ``world=N`` give per-rank memory; ``offload`` keeps optimizer state on the
+    host, ``offload="params"`` parameters and gradients too (FSDP2's ``CPUOffloadPolicy``: ``est.host``, ``.pinned``);
+    ``param_dtype="bf16"``, ``reduce_dtype="fp32"|"bf16"``: FSDP2's ``MixedPrecisionPolicy``; ``float8``: Float8Linear.
     ``quantize="int8"|"int4"|"nf4"|"nf4-dq"``: the linear layers' weights (not the output head) in that format,
     counted from its layout and frozen; ``lora=R``: rank-R adapters on the linear layers, everything else frozen
     (``quantize="nf4", lora=16`` is QLoRA). A model already quantized (torch.ao, torchao, bitsandbytes) or made
@@ -128,11 +141,27 @@ def estimate(
 
     ``tp=T``: tensor parallelism over T ranks, as ``parallelize_module`` does it with ``parallelize_plan`` (a dict
     of ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` styles, as PyTorch takes it; default:
-    torchtitan's plan for a transformers decoder laid out as Llama's). ``pp=P``: pipeline parallelism over P stages
-    of an ``nn.Sequential`` (split evenly by blocks, or ``pp=["4", "8"]``: the children where stages begin), with
-    ``micro_batches`` (default P) and ``schedule`` (``"1f1b"``, ``"gpipe"``, ``"interleaved"``: two stages a
-    rank). ``world`` is then tp × pp × dp and ``zero``/``fsdp`` shard over the dp ranks. The estimate is the most
-    loaded rank's; ``estimate.ranks[r]`` is rank r's, and ``fits`` asks whether every rank fits.
+    torchtitan's plan for a transformers decoder laid out as Llama's). ``pp=P``: P stages of an ``nn.Sequential``, a
+    Llama-like transformers decoder or a torchtitan model (cut as torchtitan's ``pipeline_llm`` does), or
+    ``pp=["model.layers.8"]``: where stages begin; ``micro_batches`` (default P), ``schedule`` (docs/parallel.md).
+    ``cp=C``: context parallelism (ring attention). ``world`` is tp × pp × cp × dp, ``zero``/``fsdp`` shard over
+    dp × cp; ``estimate.ranks[r]`` is rank r's, the headline the most loaded; ``fits`` asks whether every rank fits.
+
+    The recipes (``step/recipes/``): ``step=fn`` runs ``fn(model, batch, optimizer)``, one training step as you write
+    it (forward, any loss, backward, the update or none), traced exactly as written, ``steps`` times; ``optimizer`` is
+    what ``optimizer=`` makes: the optimizer of a name, class or object, or what a callable ``model -> anything``
+    returns (called once, so it can register hooks: an optimizer in backward). ``keep_output``: the built-in step's
+    convention, ``True`` (default: ``out = model(**batch); loss = out.loss; loss.backward()``, the output alive
+    through backward) or ``False`` (``model(**batch).loss.backward()``, as Hugging Face's Trainer does: the logits, and
+    a KV cache a model returns, are freed before backward); every estimate names the step it assumed.
+    ``optimizer_in_backward=True``: one optimizer per parameter stepping as soon as its gradient is accumulated
+    (``register_post_accumulate_grad_hook``; torchtune's ``optimizer_in_bwd``): gradients are never all alive.
+    ``offload_activations=True``: tensors saved for backward go to the host (``save_on_cpu(pin_memory=True)``): the
+    pinned host memory is ``estimate.host_pinned``, the transfers are in the time. ``loss_chunks=N``: a transformers
+    causal LM's head and cross-entropy computed from the hidden states in N chunks (torchtune's
+    ``LinearCrossEntropyLoss``). ``checkpointing="ops"``: op-level selective checkpointing of each block
+    (torchtitan's policy: matmul and attention outputs saved, the rest recomputed), or a policy function
+    ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy`` (or a list of ops to save).
     """
     options = dict(locals())
     from .run import run_estimate
@@ -145,14 +174,17 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
          top: int | None = 10, optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
          budget: Any = None, name: str | None = None, progress: Callable[[str], None] | None = None) -> Any:
     """The fastest ways to make a training step of ``model`` on ``inputs`` fit ``gpus`` GPUs like ``gpu``, ranked by
-    predicted step time (a :class:`~vram_magic.estimator.plan.result.Plan`).
+    predicted step time (a :class:`~vram_magic.estimator.planning.result.Plan`).
 
     It searches micro-batch × accumulation at the same ``global_batch`` (default: the inputs' batch, split over the
     GPUs), activation checkpointing (none, every block, every second block), ZeRO-1/2/3 or FSDP over the GPUs and the
     optimizer's state on the host, and mixed precision (marked as changing the numerics); ``allow`` adds ``"lora"``
-    (and with ``"quantize"`` QLoRA), ``"optimizer"`` (SGD with momentum, Adafactor) and ``"batch"`` (half the global
-    batch). ``interconnect``: how the GPUs talk (``"nvlink"``, ``"pcie"``, ``"infiniband-400g"``, ``"ethernet-100g"``,
-    or bytes/s per GPU; default: the GPU's own link within a host, needed beyond 8 GPUs). ``top``: rows shown.
+    (and with ``"quantize"`` QLoRA), ``"optimizer"`` (SGD with momentum, Adafactor, and on CUDA bitsandbytes' 8-bit
+    AdamW) and ``"batch"`` (half the global batch). ``interconnect``: how the GPUs talk (``"nvlink"``, ``"pcie"``,
+    ``"infiniband-400g"``, ``"ethernet-100g"``, or bytes/s per GPU; default: the GPU's own link within a host, needed
+    beyond 8 GPUs). ``top``: rows shown. When nothing of that fits, the recipes' levers join the search (an optimizer
+    in backward, the loss in chunks, op-level checkpointing, activations on the host on CUDA: ``planning/recipes.py``);
+    ``allow="recipes"`` adds them always.
     ``device="cpu"`` plans a CPU run, timed with this machine's measured profile. Each row's ``options`` are
     :func:`estimate`'s keyword arguments that give its memory; ``plan.calibrate(report)`` scales every time by a
     measured step.
@@ -161,7 +193,7 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
     with ``allow="quantize"``), the cache (default, static, int4-quantized, offloaded on CUDA) and the largest batch
     that fits, ranked by tokens/s.
     """
-    from .plan.planner import plan as run
+    from .planning.planner import plan as run
 
     return run(model, inputs, gpu=gpu, gpus=gpus, global_batch=global_batch, device=device, allow=allow,
                interconnect=interconnect, generate=generate, top=top, optimizer=optimizer, loss_fn=loss_fn,

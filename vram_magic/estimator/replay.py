@@ -40,6 +40,8 @@ class Replayed:
     modelled: tuple[tuple[str, int], ...]
     notes: tuple[str, ...]
     model_states: int
+    host: int = 0  # what the host keeps for the rank (offloaded state; with FSDP2's CPUOffloadPolicy also the shards)
+    pinned: int = 0  # the part of ``host`` in pinned memory
 
     @property
     def fits(self) -> bool | None:
@@ -116,7 +118,17 @@ def from_trace(trace: FakeRun, opts: Options, target: Target) -> Replayed:
         modelled=tuple(modelled.items()),
         notes=tuple(notes),
         model_states=layout.model_states(trace, opts, state_bytes),
+        **host_of(layout, trace, opts),
     )
+
+
+def host_of(layout: object, trace: FakeRun, opts: Options) -> dict[str, int]:
+    """``{"host", "pinned"}``: what the layout keeps on the host for the rank, where it says (offload)."""
+    of = getattr(layout, "host_bytes", None)
+    if of is None:
+        return {}
+    host, pinned = of(trace, opts)
+    return {"host": host, "pinned": pinned}
 
 
 def kernel_scratch(trace: FakeRun, cuda: bool, cm: CudaModel, sizes: dict[int, int]) -> tuple[dict[int, int], str]:

@@ -176,6 +176,18 @@ class StepEstimate(Estimate):
     loss: str = ""  # which loss the training step used (the model's own, the given loss_fn, or a stand-in)
     model_states: int = 0  # parameters + gradients + optimizer state per rank over the step (ZeRO's model states)
     max_seq: int | None = None  # the longest sequence (the inputs' dimension 1) that fits, when searched
+    # paged (managed) memory, not in the device's allocated bytes: a rank's bitsandbytes paged optimizer state in CUDA
+    # managed memory, outside ``peak`` and ``needed`` (on the GPU while it has room, moved to the host under pressure)
+    paged: int = 0
+    # host memory the rank keeps (offload: the optimizer's state; with FSDP2's CPUOffloadPolicy, offload="params", also
+    # the sharded parameters and gradients), outside ``peak`` and ``needed``; ``pinned``: the page-locked part of it
+    host: int = 0
+    pinned: int = 0
+    # the step assumed, in words: what stays alive when (the built-in step's convention and levers, or the user's step)
+    step: str = ""
+    # pinned host memory of the activations saved on the host (offload_activations), at its peak: outside ``peak``,
+    # ``needed``, ``host`` and ``pinned``
+    host_pinned: int = 0
 
     def _text(self) -> str:
         from .render.step import estimate_text

@@ -17,23 +17,33 @@ from .result import Estimate
 
 def run_estimate(model: Any, inputs: Any, *, optimizer: Any, loss_fn: Any, dtype: Any, device: str, steps: int,
                  inference: bool, amp: Any, master_weights: Any, checkpointing: Any, accumulate: int, zero: Any,
-                 fsdp: bool, world: int, offload: bool, quantize: Any, lora: Any, gpu: Any, budget: Any, cuda: Any,
+                 fsdp: bool, world: int, offload: Any, quantize: Any, lora: Any, gpu: Any, budget: Any, cuda: Any,
+                 param_dtype: Any, reduce_dtype: Any, float8: bool,
                  alloc_conf: Any, batch: Any, name: Any, what_if: bool, max_batch: bool, max_seq: bool,
                  progress: Callable[[str], None] | None, generate: Any, cache_implementation: Any, num_beams: int,
-                 tp: int, pp: Any, micro_batches: Any, schedule: str, parallelize_plan: Any) -> Estimate:
+                 tp: int, pp: Any, micro_batches: Any, schedule: str, parallelize_plan: Any, step: Any = None,
+                 keep_output: Any = None, optimizer_in_backward: bool = False, offload_activations: bool = False,
+                 loss_chunks: Any = None, cp: int = 1) -> Estimate:
     """:func:`vram_magic.estimate`, its arguments as it takes them."""
+    recipe = dict(step=step, keep_output=keep_output, optimizer_in_backward=optimizer_in_backward,
+                  offload_activations=offload_activations, loss_chunks=loss_chunks)
+    if step is not None and loss_fn is not None:
+        raise ValueError("step= computes its own loss: drop loss_fn (or drop step= to have the built-in step train on "
+                         "loss_fn)")
     if generate is not None or cache_implementation is not None or num_beams != 1:
         opts = generate_options(generate, cache_implementation, num_beams, dict(
             dtype=dtype, amp=amp, device=device, quantize=quantize), dict(
             checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp, world=world, offload=offload,
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, float8=float8,
             lora=lora, master_weights=master_weights, loss_fn=loss_fn, tp=tp, pp=pp, micro_batches=micro_batches,
-            parallelize_plan=parallelize_plan))
+            parallelize_plan=parallelize_plan, cp=cp, **recipe))
     else:
         opts = make_options(optimizer=optimizer, inference=inference, dtype=dtype, amp=amp,
                             master_weights=master_weights, checkpointing=checkpointing, accumulate=accumulate,
                             zero=zero, fsdp=fsdp, world=world, offload=offload, device=device, steps=steps,
+                            param_dtype=param_dtype, reduce_dtype=reduce_dtype, float8=float8,
                             quantize=quantize, lora=lora, tp=tp, pp=pp, micro_batches=micro_batches,
-                            schedule=schedule, parallelize_plan=parallelize_plan)
+                            schedule=schedule, parallelize_plan=parallelize_plan, cp=cp, **recipe)
     if batch is not None:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be a whole number ≥ 1 (the inputs' new dimension 0), not {batch!r}")

@@ -160,6 +160,34 @@ def register_group(name: str, rank: int, size: int) -> Any:
     return unregister
 
 
+def register_fake_group(name: str, rank: int, size: int) -> Any:
+    """:func:`register_group` with PyTorch's fake backend behind the group (``FakeProcessGroup._create_internal(rank,
+    size)``, registered as the group's CPU backend with ``ProcessGroup._register_backend`` and
+    ``_set_default_backend(BackendType.CUSTOM)``): its collectives complete at once and move nothing, so FSDP2's own
+    code (``fully_shard``, whose all-gathers and reduce-scatters go through ``torch.distributed`` with the group) runs
+    one rank on fake tensors. A function that unregisters it. The default group is never read or changed. Checked on
+    torch 2.13."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import FakeProcessGroup, _register_process_group, _unregister_process_group
+
+    group = dist.ProcessGroup(dist.HashStore(), rank, size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM,
+                            FakeProcessGroup._create_internal(rank, size))
+    _register_process_group(name, group)
+
+    def unregister() -> None:
+        nonlocal group
+        group = None
+        try:
+            _unregister_process_group(name)
+        except RuntimeError:
+            pass
+
+    return unregister
+
+
 @contextlib.contextmanager
 def dtensor_shape_runs(flag: Any) -> Any:
     """While the context is open, ``flag.propagating`` is true whenever ``DTensor`` works out an op's output shape
@@ -214,13 +242,45 @@ def interleaved_rank_ops_with_comms(numbers: Any, rank: int) -> list[Any]:
     return schedules._add_wait_send(lowered)[rank]
 
 
+def runtime_schedule_order(class_name: str, ranks: int, n_local: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """The actions one of PyTorch's runtime schedules (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``,
+    ``ScheduleInterleavedZeroBubble``, ...) runs on ``rank``, with the communication it lowers into them: the schedule
+    is built on stand-in stages (only their numbers are read) and its ``pipeline_order_with_comms`` read, an
+    ``OVERLAP_F_B`` action as its sub-actions in their order; ``(kind, stage, micro-batch or -1)``. PyTorch's own
+    ``ValueError`` for micro-batches it refuses passes through. Checked on torch 2.13."""
+    from types import SimpleNamespace
+
+    from torch.distributed import pipelining
+
+    cls = getattr(pipelining, class_name)
+    stand_ins = [SimpleNamespace(num_stages=ranks * n_local, group_size=ranks, group_rank=rank, submod=None)
+                 for _ in range(n_local)]
+    schedule = cls(stand_ins, n_microbatches=m, loss_fn=lambda output, target: output)
+    out = []
+    for action in schedule.pipeline_order_with_comms[rank]:
+        for a in action.sub_actions or (action,):
+            j = a.microbatch_index
+            out.append((str(a.computation_type.value), int(a.stage_index), -1 if j is None else int(j)))
+    return out
+
+
+def pipeline_backward() -> Any:
+    """``torch.distributed.pipelining._backward``: ``stage_backward`` (a stage's whole backward),
+    ``stage_backward_input`` (the gradients of its inputs, keeping what the weights' gradients need) and
+    ``stage_backward_weight``, as a ``PipelineStage`` runs them. Checked on torch 2.13."""
+    from torch.distributed.pipelining import _backward
+
+    return _backward
+
+
 __all__ = [
     "FAKE_TENSOR_LOGGER", "DataDependentOutputException", "DynamicOutputShapeException", "FakeCopyMode",
     "FakeTensor", "FakeTensorMode", "OpOverload", "TorchDispatchMode", "UnsupportedOperatorException",
     "aot_autograd", "construct_script_module", "disable_current_modes", "dtensor_shape_runs", "dynamo_config",
     "inductor_fake_mode", "inductor_partition", "interleaved_rank_ops", "interleaved_rank_ops_with_comms",
-    "min_cut_partition",
+    "min_cut_partition", "pipeline_backward", "runtime_schedule_order",
     "modes_ignore_compile_internals", "offline_mesh", "pop_mode", "post_grad_passes", "push_mode", "register_group",
+    "register_fake_group",
 ]
 
 

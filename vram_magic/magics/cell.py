@@ -62,7 +62,7 @@ def prepare(host: Host, cell: str, args: Any) -> CellRun | None:
 
 def planned(host: Host, text: str) -> Any:
     """``(plan, row)`` that ``--plan NAME[:ROW]`` names, checked before the cell runs."""
-    from ..estimator.plan.result import plan_row
+    from ..estimator.planning.result import plan_row
 
     name = text.partition(":")[0]
     if name not in host.shell.user_ns:
@@ -101,7 +101,7 @@ async def measured(host: Host, run: CellRun, args: Any) -> None:
                 if getattr(args, "planned", None) is not None:
                     from IPython.display import display
 
-                    from ..estimator.plan.result import check
+                    from ..estimator.planning.result import check
 
                     display(check(*args.planned, report))
             except Exception as err:  # a display that fails must not fail the cell

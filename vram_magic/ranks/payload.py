@@ -13,23 +13,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields
 from typing import Any
 
-from ..core.breakdown import CATEGORIES, Breakdown
+from ..core.breakdown import breakdown_from_dict, breakdown_to_dict
 from ..core.device_stats import DeviceStats
 from ..measuring.report import Advice, CellReport, OomInfo
 
 FORMAT = "vram_magic.rank/1"
-
-
-def breakdown_to_dict(b: Breakdown, detail: bool = True) -> dict[str, Any]:
-    out: dict[str, Any] = {c: int(b[c]) for c in CATEGORIES}
-    if detail:
-        out["detail"] = [[c, label, int(n)] for c, label, n in b.detail]
-    return out
-
-
-def breakdown_from_dict(d: Mapping[str, Any]) -> Breakdown:
-    return Breakdown(**{c: int(d.get(c, 0)) for c in CATEGORIES},
-                     detail=tuple((str(c), str(label), int(n)) for c, label, n in d.get("detail", ())))
 
 
 def report_to_dict(report: CellReport, *, detail: bool = True) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 import vram_magic
 from vram_magic.estimator.layouts.tensor import collective_volumes
 from vram_magic.estimator.options import make_options
-from vram_magic.estimator.plan.planner import model_parallel_choices
+from vram_magic.estimator.planning.planner import model_parallel_choices
 from vram_magic.estimator.timing.cost import (
     COLLECTIVE_LATENCY,
     LINK_EFFICIENCY,

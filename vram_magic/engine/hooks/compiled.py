@@ -23,7 +23,7 @@ _MAX_MODULES = 20_000
 def compiled_reason(namespace: Mapping[str, Any] | None, source: str = "") -> str:
     """Why the block should be taken as running compiled code ("" if it need not): the cell compiles
     something, or the namespace holds a compiled module (``torch.compile(model)``, ``model.compile()``, a
-    compiled submodule) or a compiled function."""
+    compiled submodule), a compiled function or a torchao optimizer."""
     if source and _COMPILES.search(_without_strings(source)):
         return "the cell calls compile"
     if DYNAMO_MODULE not in sys.modules or not namespace:
@@ -43,6 +43,9 @@ def compiled_reason(namespace: Mapping[str, Any] | None, source: str = "") -> st
         try:
             if isinstance(value, OptimizedModule):
                 return f"{name} is a compiled module"
+            if isinstance(value, torch.optim.Optimizer) and type(value).__module__.startswith("torchao."):
+                # torchao's low-bit optimizers compile each parameter's update (torchao 0.18: torchao/optim/adam.py)
+                return f"{name} is a torchao optimizer, whose step is compiled"
             if isinstance(value, torch.nn.Module):
                 if getattr(value, "_compiled_call_impl", None) is not None:
                     return f"{name} was compiled with {name}.compile()"

@@ -207,6 +207,11 @@ class Claims:
                 states = [(opt.state, name)]
                 if type(opt).__name__ == "ZeroRedundancyOptimizer":  # ZeRO-1: the state of this rank's partition
                     states.append((opt.optim.state, f"{name} (ZeRO partition)"))
+                # bitsandbytes' two code books (256 fp32 values each), made with the optimizer before any state and
+                # shared by every 8-bit parameter's state
+                books = getattr(opt, "name2qmap", None)
+                if isinstance(books, Mapping):
+                    state_tensors.extend((v, name) for v in books.values() if isinstance(v, torch.Tensor))
                 for states_of, label in states:
                     for state in states_of.values():
                         if isinstance(state, Mapping):

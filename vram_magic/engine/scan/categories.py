@@ -21,8 +21,8 @@ KV_SAME_LINE = ("kv_cache", "earlier copies (the cache's line)")
 UNSCOPED = ("activations", "forward and cell temporaries")
 
 # (PHASE_CATEGORY and LIVE_PHASE_CATEGORY, what memory made in each phase counts as, are phases.py's)
-# the labels of a measured block's phases name no variable (a variable may be called "loss": that phase is the
-# estimator's)
+# the labels of a measured block's phases name no variable (a variable may be called "loss": the loss phase's label
+# says more)
 _NOT_VARIABLES = {PHASE_CATEGORY[p][1] for p in TRACKED} | {"unattributed", "", UNSCOPED[1],
                                                                      "saved for backward", KV_SAME_LINE[1]}
 

@@ -211,6 +211,9 @@ _FSDP = ("torch.distributed.fsdp._fully_shard._fully_shard",  # FSDP2's module (
 
 
 def _key(k: Any) -> str:
+    if isinstance(k, torch.Tensor):  # a dict keyed by parameters (one optimizer per parameter): by shape, not values
+        kind = "Parameter" if isinstance(k, torch.nn.Parameter) else "tensor"
+        return f"<{kind} {'×'.join(str(n) for n in k.shape) or 'scalar'}>"
     try:
         text = repr(k)
     except Exception:

@@ -33,6 +33,7 @@ from .sites import engine_frame
 _grad_enabled = torch.is_grad_enabled
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
+LOSS = Phase.LOSS
 CELL, FORWARD, BACKWARD, OPTIMIZER, INFERENCE = Phase.CELL, Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER, \
     Phase.INFERENCE
 
@@ -283,11 +284,11 @@ class StorageCounts:
         elif now.optimizer_depth:
             phase = OPTIMIZER
         elif _current_node() is not None:
-            phase = BACKWARD
+            phase, now.loss = BACKWARD, False
         elif modules:
             phase = FORWARD if _grad_enabled() else INFERENCE
         else:
-            phase = CELL
+            phase = LOSS if now.loss and _grad_enabled() else CELL
         site = now.site
         if site is None:
             if not self.record_sites:

@@ -28,8 +28,12 @@ TIMED = frozenset({
     "aten::native_layer_norm", "aten::native_layer_norm_backward",
     "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
     "aten::mkldnn_rnn_layer", "aten::mkldnn_rnn_layer_backward",
+    "aten::_ctc_loss_backward", "aten::_ctc_loss_backward.Tensor",  # log_beta, as large as log_alpha (LossCTC.cpp)
 })
-NAMESPACES = ("quantized::", "_quantized::")
+#: (prefixes of op names) torch.ao's quantized ops, and bitsandbytes' optimizer updates, whose CPU kernels
+#: (bitsandbytes 0.50.2: bitsandbytes/backends/cpu/ops.py) dequantize both moments to fp32 and compute in eager ops
+#: inside the op
+NAMESPACES = ("quantized::", "_quantized::", "bitsandbytes::optimizer_update")
 #: GEMMs whose copies a rule gives (measured equal to the profiler's on every GEMM of the zoo); in half precision
 #: they go through oneDNN, whose packing is timed instead
 RULE = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})

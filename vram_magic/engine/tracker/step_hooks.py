@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from ..tensors import is_wrapper, storage_parts
+from ..torch_private import current_autograd_node as _current_node
 from .frames import is_user_code, user_site
 from .now import Now
 from .sites import plain_forward
 
 _Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
 _Parameter = torch.nn.Parameter
 
 
@@ -51,6 +53,7 @@ class StepHooks:
     def _opt_pre(self, optimizer: Any, *_: Any) -> None:
         now = self.now
         now.optimizer_depth += 1
+        now.loss = False
         if self.record_sites and now.optimizer_depth == 1 and not _user_step(optimizer):
             # PyTorch's own step: every allocation it makes has the site of the line that called it
             now.site = user_site(sys._getframe(1))
@@ -123,6 +126,8 @@ class StepHooks:
         now = self.now
         if now.modules:
             now.modules.pop()
+            if not now.modules and _grad_enabled() and _current_node() is None:  # a root forward with grad returned
+                now.loss = True
         if now.sites:
             now.site = now.sites.pop()
         if self.ddp.ddp_open is not None:

@@ -39,17 +39,40 @@ OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--amp",), {"help": "autocast to bf16 or fp16"}),
     (("--master-weights",), {"metavar": "fp32", "help": "with --dtype bf16|fp16: an fp32 master copy of the weights "
                              "in the optimizer (mixed precision as DeepSpeed and Megatron train)"}),
-    (("--checkpointing",), {"action": "store_true", "help": "activation checkpointing (the model's own "
-                            "gradient_checkpointing_enable when it has one, else of each block)"}),
+    (("--checkpointing",), {"nargs": "?", "const": True, "default": False, "metavar": "ops|POLICY",
+                            "help": "activation checkpointing (the model's own gradient_checkpointing_enable when it "
+                            "has one, else of each block); --checkpointing ops: op-level selective checkpointing of "
+                            "each block (torchtitan's policy), or the name of a policy function"}),
     (("--accumulate",), {"type": int, "default": 1, "metavar": "K", "help": "split the batch into K micro-batches"}),
     (("--zero",), {"type": int, "metavar": "STAGE", "help": "ZeRO stage 1, 2 or 3 (per-rank memory; needs --world)"}),
     (("--fsdp",), {"action": "store_true", "help": "FSDP full sharding (like ZeRO-3; needs --world)"}),
     (("--world",), {"type": int, "default": 1, "metavar": "N", "help": "number of ranks for --zero/--fsdp"}),
-    (("--offload",), {"action": "store_true", "help": "optimizer state and step on the host"}),
+    (("--offload",), {"nargs": "?", "const": True, "default": False, "metavar": "params",
+                      "help": "optimizer state and step on the host; --offload params: FSDP2's CPUOffloadPolicy "
+                      "(sharded parameters and gradients on the host too; with --zero 3)"}),
+    (("--param-dtype",), {"metavar": "bf16|fp16", "help": "with --zero 3 / --fsdp: FSDP2's MixedPrecisionPolicy "
+                          "(fp32 shards, bf16 all-gathers and compute)"}),
+    (("--reduce-dtype",), {"metavar": "fp32|bf16", "help": "with --param-dtype: the gradients' reduce-scatter "
+                           "dtype (default fp32)"}),
+    (("--float8",), {"action": "store_true", "help": "torchao's Float8Linear in place of the linear layers "
+                     "(convert_to_float8_training; not the output head)"}),
     (("--quantize",), {"metavar": "FORMAT", "help": "the linear layers' weights in int8, int4, nf4 or nf4-dq "
                        "(frozen; the output head kept as it is)"}),
     (("--lora",), {"type": int, "metavar": "R", "help": "rank-R LoRA adapters on the linear layers, the rest of "
                    "the model frozen (with --quantize nf4: QLoRA)"}),
+    # the recipes (estimator/step/recipes/)
+    (("--step",), {"metavar": "NAME", "help": "your training step, a function fn(model, batch, optimizer) (a name or "
+                   "module:attribute), traced as written; --optimizer may then name a function model -> what fn "
+                   "receives"}),
+    (("--keep-output",), {"metavar": "yes|no", "help": "the built-in step keeps the model's output alive through "
+                          "backward (yes, the default: out = model(**batch); out.loss.backward()) or frees it first "
+                          "(no: model(**batch).loss.backward(), as Hugging Face's Trainer does)"}),
+    (("--optimizer-in-backward",), {"action": "store_true", "help": "one optimizer per parameter, stepping inside "
+                                    "backward (register_post_accumulate_grad_hook; torchtune's optimizer_in_bwd)"}),
+    (("--offload-activations",), {"action": "store_true", "help": "tensors saved for backward kept on the host "
+                                  "(save_on_cpu(pin_memory=True))"}),
+    (("--loss-chunks",), {"type": int, "metavar": "N", "help": "a causal LM's head and cross-entropy computed in N "
+                          "chunks of the hidden states (torchtune's chunked loss)"}),
     (("--gpu",), {"help": "a GPU from the catalogue, e.g. A100-80GB, RTX-4090, T4"}),
     (("--budget",), {"metavar": "SIZE", "help": "device memory to fit into, e.g. 24GiB"}),
     (("--alloc-conf",), {"metavar": "SETTINGS", "help": "the CUDA caching allocator's settings, as "
@@ -65,9 +88,13 @@ OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--tp-plan",), {"metavar": "EXPR", "help": "with --tp: the parallelize_plan, a dict of ColwiseParallel / "
                    "RowwiseParallel / SequenceParallel styles (a name or an expression)"}),
     (("--pp",), {"metavar": "P", "help": "pipeline parallelism over P stages of an nn.Sequential (split evenly by "
-                 "blocks), or the children where stages begin: --pp 4,8"}),
+                 "blocks) or of a transformers decoder or torchtitan model (by layers), or the children or layers "
+                 "where stages begin: --pp 4,8 or --pp model.layers.8,model.layers.16"}),
     (("--micro-batches",), {"type": int, "metavar": "M", "help": "with --pp: the micro-batches (default P)"}),
-    (("--schedule",), {"default": "1f1b", "help": "with --pp: 1f1b, gpipe or interleaved (two stages a rank)"}),
+    (("--schedule",), {"default": "1f1b", "help": "with --pp: 1f1b, gpipe; two stages a rank: interleaved, "
+                       "interleaved-zb, zbv, dualpipev"}),
+    (("--cp",), {"type": int, "default": 1, "metavar": "C", "help": "context parallelism: the sequence sharded over C "
+                 "ranks, ring attention (a decoder with SDPA attention, --device cuda)"}),
     # text generation (generate/trace.py)
     (("--generate",), {"type": int, "metavar": "N", "help": "the peak of model.generate(input_ids, max_new_tokens=N) "
                        "instead of a step; --max-seq then finds the longest prompt, --max-batch the largest batch"}),
@@ -195,11 +222,14 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         optimizer=optimizer, inference=args.inference, dtype=args.dtype, amp=args.amp,
         master_weights=args.master_weights, checkpointing=args.checkpointing, accumulate=args.accumulate,
         zero=args.zero, fsdp=args.fsdp, world=args.world, offload=args.offload, gpu=args.gpu, budget=args.budget,
+        param_dtype=getattr(args, "param_dtype", None), reduce_dtype=getattr(args, "reduce_dtype", None),
+        float8=bool(getattr(args, "float8", False)),
         alloc_conf=getattr(args, "alloc_conf", None),
         quantize=args.quantize, lora=args.lora,
         device=args.device, what_if=args.what_if, max_batch=args.max_batch, max_seq=args.max_seq,
     )
     kwargs.update(parallel_options(args, ns))
+    kwargs.update(recipe_options(args, ns))
     if args.batch is not None and args.input:  # --input resized to --batch (with --shape it is the shape's batch)
         kwargs["batch"] = args.batch
     if args.loss:
@@ -211,10 +241,37 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     return model, inputs, kwargs
 
 
-def parallel_options(args: Any, ns: dict[str, Any]) -> dict[str, Any]:
-    """``tp``, ``pp``, ``micro_batches``, ``schedule`` and ``parallelize_plan`` from parsed options (only those
-    given)."""
+def recipe_options(args: Any, ns: dict[str, Any]) -> dict[str, Any]:
+    """The recipes' options from parsed ones (only those given): ``step``, ``keep_output``, ``optimizer_in_backward``,
+    ``offload_activations``, ``loss_chunks``, and ``checkpointing`` as a policy's name."""
     out: dict[str, Any] = {}
+    if getattr(args, "step", None):
+        out["step"] = evaluate(args.step, ns, "--step")
+    keep = getattr(args, "keep_output", None)
+    if keep is not None:
+        word = unquote(str(keep)).lower()
+        if word not in ("yes", "no", "true", "false", "1", "0"):
+            raise ValueError(f"--keep-output takes yes or no, not {keep!r}")
+        out["keep_output"] = word in ("yes", "true", "1")
+    for flag in ("optimizer_in_backward", "offload_activations"):
+        if getattr(args, flag, False):
+            out[flag] = True
+    if getattr(args, "loss_chunks", None) is not None:
+        out["loss_chunks"] = args.loss_chunks
+    checkpointing = getattr(args, "checkpointing", False)
+    if isinstance(checkpointing, str):
+        text = unquote(checkpointing)
+        named = text.lower() == "ops" or text.isdigit()
+        out["checkpointing"] = text if named else evaluate(text, ns, "--checkpointing")
+    return out
+
+
+def parallel_options(args: Any, ns: dict[str, Any]) -> dict[str, Any]:
+    """``tp``, ``pp``, ``cp``, ``micro_batches``, ``schedule`` and ``parallelize_plan`` from parsed options (only
+    those given)."""
+    out: dict[str, Any] = {}
+    if getattr(args, "cp", 1) != 1:
+        out["cp"] = args.cp
     if getattr(args, "tp", 1) != 1:
         out["tp"] = args.tp
     pp = getattr(args, "pp", None)
@@ -241,7 +298,7 @@ PLAN_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [o for o in OPTIONS
                            "(default: the inputs' batch)"}),
     (("--allow",), {"metavar": "WHAT", "help": "also try lora, quantize (QLoRA, with lora), optimizer, batch, "
                     "parallel (tensor and pipeline parallelism; comma-separated): they change what or how the model "
-                    "trains"}),
+                    "trains; recipes: the recipes' levers even when a classic combination fits"}),
     (("--interconnect",), {"metavar": "LINK", "help": "how the GPUs talk: nvlink, pcie, infiniband-400g, "
                            "infiniband-200g, ethernet-100g, ethernet-25g (default: the GPU's own link in one host)"}),
     (("--generate",), {"type": int, "metavar": "N", "help": "plan model.generate(input_ids, max_new_tokens=N): "

@@ -88,5 +88,7 @@ def _as_json(est: Any) -> dict[str, Any]:
     if isinstance(est, GenerateEstimate):
         out.update(generation=dataclasses.asdict(est.generation), max_prompt=est.max_prompt)
     else:
-        out.update(model_states=est.model_states, loss=est.loss, max_seq=est.max_seq, generation=None)
+        out.update(model_states=est.model_states, loss=est.loss, max_seq=est.max_seq, paged=est.paged, generation=None)
+        out.update(host=getattr(est, "host", 0), pinned=getattr(est, "pinned", 0))  # offloaded to the host
+        out.update(step=getattr(est, "step", ""), host_pinned=getattr(est, "host_pinned", 0))  # the recipes'
     return out

@@ -8,6 +8,7 @@ always on the CPU: autograd on fake CUDA tensors aborts a CPU-only process, so C
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import weakref
@@ -220,8 +221,10 @@ class ModelSource:
         from .scripted import has_scripted, replicate_scripted
 
         if self.builder is not None:
+            from .known_values import ValueMode
+
             old = torch.get_default_dtype()
-            with mode:
+            with mode, ValueMode(), init_skipped():
                 if dtype is not None:
                     torch.set_default_dtype(dtype)
                 try:
@@ -267,6 +270,40 @@ class ModelSource:
             fake = copy_plain(model, memo) if parts else copy.deepcopy(model, memo)
         _normalise(fake, mode, dtype)
         return fake, parts
+
+
+#: ``torch.nn.init``'s initialisers (the names transformers' ``initialization`` module wraps too)
+_INITS = ("uniform_", "normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
+          "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def init_skipped() -> Any:
+    """While a builder builds on fake tensors: weight initialisers return their tensor untouched. Initial values
+    are no memory, and ``trunc_normal_`` reads its random draws (``if not mask.any()`` in its rejection loop), which
+    fake tensors do not have (ViT, DeiT, ModernBERT). Patched where models call them: ``torch.nn.init``, the
+    ``torch.nn.modules`` that import them by name, and transformers' wrappers (``transformers.initialization``, as
+    its own ``no_init_weights`` does; its ``init_weights`` still runs, so tied weights are tied)."""
+    import sys
+
+    names = ["torch.nn.init", "transformers.initialization"]
+    names += [n for n in list(sys.modules) if n.startswith("torch.nn.modules.")]
+    saved: list[tuple[Any, str, Any]] = []
+
+    def skip(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+
+    try:
+        for name in names:
+            module = sys.modules.get(name)
+            for fn in _INITS:
+                if module is not None and callable(getattr(module, fn, None)):
+                    saved.append((module, fn, getattr(module, fn)))
+                    setattr(module, fn, skip)
+        yield
+    finally:
+        for module, fn, original in reversed(saved):
+            setattr(module, fn, original)
 
 
 def _fake_like(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

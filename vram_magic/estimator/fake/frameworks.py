@@ -119,11 +119,14 @@ def _fake_modules_convert() -> Iterator[None]:
         set_module_apply(_module_apply)
 
 
-def enable_checkpointing(model: nn.Module, units: list[nn.Module], every: int = 1, modes: bool = True) -> str:
+def enable_checkpointing(model: nn.Module, units: list[nn.Module], every: int = 1, modes: bool = True,
+                         context_fn: Any = None) -> str:
     """Switch activation checkpointing on in the (fake) model, for every block or every ``every``-th one; say how.
     The checkpoints are non-reentrant and, with ``modes``, enter the forward's function modes again for the recompute
-    (:func:`modes_again`; not in a compiled model, where TorchDynamo refuses a ``context_fn`` and no mode runs)."""
-    again = {"context_fn": modes_again} if modes else {}
+    (:func:`modes_again`; not in a compiled model, where TorchDynamo refuses a ``context_fn`` and no mode runs);
+    ``context_fn``: checkpoint's own instead (op-level selective checkpointing: ``step/recipes/op_checkpointing.py``,
+    which enters the modes again itself)."""
+    again = {"context_fn": context_fn} if context_fn is not None else {"context_fn": modes_again} if modes else {}
     for name, kwarg in (("activation_checkpointing_enable", "activation_checkpointing_kwargs"),
                         ("gradient_checkpointing_enable", "gradient_checkpointing_kwargs")):
         switch = _own(model, name)

@@ -28,6 +28,11 @@ _RANDOM = torch.Tag.nondeterministic_seeded
 #: as arbitrary), so they get none; a kept value would steer the fake run by garbage (``mask.all()``)
 _UNINITIALIZED = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
                             "empty_permuted"})
+#: uniform draws that get a stated value when they are this small (see _stated_draw), and the mark they carry
+_UNIFORM = frozenset({"rand", "rand_like", "uniform_"})
+DRAW_LIMIT = 16
+DRAWN = "_vram_magic_drawn"
+_IS_RANDOM: dict[Any, bool] = {}  # op -> tagged nondeterministic_seeded
 #: in-place ops that overwrite all of their target: an uninitialized one gains values from them
 _OVERWRITE = frozenset({"fill_", "zero_", "copy_"})
 
@@ -124,12 +129,19 @@ def propagate(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
     it is a deterministic factory such as ``arange``) and the outputs are small."""
     if args and func.overloadpacket.__name__ in _OVERWRITE:
         _overwritten(args)
+    # random ops never run for real: they would draw from (and advance) the user's random generator
+    random = _IS_RANDOM.get(func)
+    if random is None:
+        random = _IS_RANDOM[func] = _RANDOM in getattr(func, "tags", ())
+    if random:
+        _forget_written(func, args)
+        _stated_draw(func, args, kwargs, out)
+        return
     for a in args:  # the fast way out: an argument without a value (most ops of a model)
         if isinstance(a, torch.Tensor) and getattr(a, ATTR, None) is None and type(a) is not torch.Tensor:
             _forget_written(func, args)
             return
-    # random ops never run for real: they would draw from (and advance) the user's random generator
-    if not _small(out) or _RANDOM in getattr(func, "tags", ()) or func.overloadpacket.__name__ in _UNINITIALIZED:
+    if not _small(out) or func.overloadpacket.__name__ in _UNINITIALIZED:
         _forget_written(func, args)
         return
     tensors_in = _has_tensor(args) or _has_tensor(kwargs)
@@ -149,6 +161,37 @@ def propagate(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         _forget_written(func, args)
         return
     _pair(out, real)
+    if any(getattr(a, DRAWN, False) for a in args if isinstance(a, torch.Tensor)):
+        _mark_drawn(out)
+
+
+def _stated_draw(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+    """A few uniform draws (``torch.rand([])``, ``torch.empty(n).uniform_()``: LayerDrop's per-layer coin) get a
+    stated value, the top of their range, marked as drawn: a ``draw < p`` test is then False and ``draw > p``
+    True, so a layer dropped with probability ``p`` runs (the step's largest memory), and the read is answered
+    instead of ending the estimate. Larger draws (dropout masks) keep no value."""
+    name = func.overloadpacket.__name__
+    if name not in _UNIFORM or not isinstance(out, torch.Tensor) or out.numel() > DRAW_LIMIT \
+            or not out.is_floating_point() or out.layout != torch.strided:
+        return
+    high = 1.0
+    if name == "uniform_":
+        high = float(kwargs.get("to", args[2] if len(args) > 2 else 1.0))
+    with _disable_current_modes():
+        top = torch.nextafter(torch.tensor(high, dtype=out.dtype), torch.tensor(float("-inf"), dtype=out.dtype))
+        setattr(out, ATTR, torch.full(tuple(out.shape), top.item(), dtype=out.dtype))
+    setattr(out, DRAWN, True)
+
+
+def _mark_drawn(out: Any) -> None:
+    for o in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(o, torch.Tensor) and getattr(o, ATTR, None) is not None:
+            setattr(o, DRAWN, True)
+
+
+def drawn(args: Any) -> bool:
+    """Whether a value read's arguments hold a stated draw (see :func:`_stated_draw`)."""
+    return any(getattr(a, DRAWN, False) for a in args if isinstance(a, torch.Tensor))
 
 
 def _pair(fake: Any, real: Any) -> None:
@@ -193,6 +236,9 @@ def answer(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[bool, Any]:
     caller), carrying the real result as their value."""
     if _RANDOM in getattr(func, "tags", ()):
         return False, None
+    masked = _masked_index(func, args)
+    if masked is not None:
+        return True, masked
     ok, rargs = _real_args(args)
     ok2, rkwargs = _real_args(kwargs) if ok else (False, None)
     if not (ok and ok2) or not (_has_tensor(args) or _has_tensor(kwargs)):
@@ -202,6 +248,31 @@ def answer(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[bool, Any]:
     except Exception:
         return False, None
     return True, _fake_of(real)
+
+
+def _masked_index(func: Any, args: Any) -> Any:
+    """``x[mask]`` where the mask's values are known and ``x``'s are not (activations selected by a loss mask, a chunked
+    loss's valid tokens): the mask's positions found on its values, then ``x`` indexed by them on fake tensors (the
+    shape the real op gives; the positions are the kernel's own, no memory of the step). None for any other op."""
+    if func is not _INDEX or len(args) < 2 or not isinstance(args[1], (list, tuple)):
+        return None
+    indices: list[Any] = []
+    masks = 0
+    for ix in args[1]:
+        if isinstance(ix, torch.Tensor) and ix.dtype in (torch.bool, torch.uint8):
+            v = value_of(ix)
+            if v is None:
+                return None
+            with _disable_current_modes():
+                positions = v.nonzero(as_tuple=True)
+            indices.extend(_fake_of(p) for p in positions)
+            masks += 1
+        else:
+            indices.append(ix)
+    return func(args[0], indices) if masks else None
+
+
+_INDEX = torch.ops.aten.index.Tensor
 
 
 def _fake_of(real: Any) -> Any:
@@ -230,11 +301,21 @@ def resized(value: torch.Tensor | None, dim: int, new: int) -> torch.Tensor | No
 
 
 class ValueMode(TorchDispatchMode):
-    """Above a fake mode while the inputs are made: factories (``torch.ones``, ``arange``) and ops on known
-    values give their small outputs values, so a mask made by an ``--input`` expression is known too."""
+    """Above a fake mode while the inputs are made, or a builder builds the model: factories (``torch.ones``,
+    ``arange``, ``linspace``) and ops on known values give their small outputs values, so a mask made by an
+    ``--input`` expression is known too, and a value read on them (a constructor's
+    ``torch.linspace(0, rate, depth).tolist()`` for its drop-path rates) is answered from them."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from ..torch_private import DataDependentOutputException, DynamicOutputShapeException
+
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            known, out = answer(func, args, kwargs)
+            if not known:
+                raise
+            return out
         propagate(func, args, kwargs, out)
         return out

@@ -1,8 +1,10 @@
 """How one rank's share of a traced step is computed: each layout says which of the traced storages a rank holds and
 at what size, the buffers its collectives add and when they are alive, and the model states it keeps. Data parallelism
-(replicated, ZeRO, FSDP; ``zero.py``) is the first layout; a tensor- or pipeline-parallel rank is traced as that rank
-(``tensor.py``, ``pipeline.py``, ``rank_trace.py``) and replayed with ZeRO over its data-parallel group
-(``model_parallel.py``)."""
+(replicated, ZeRO, FSDP; ``zero.py``) is the first layout; FSDP2 with its mixed-precision or offload policy is
+traced as one rank (``fsdp.py``); a tensor- or pipeline-parallel rank is traced as that rank
+(``tensor.py``, ``pipeline.py`` with ``stages.py`` cutting a real model's stages and ``schedule_runtime.py`` running
+the zero-bubble schedules, ``rank_trace.py``) and replayed with ZeRO over its data-parallel group
+(``model_parallel.py``); context parallelism adds its ring attention's buffers (``context.py``)."""
 
 from __future__ import annotations
 
@@ -38,10 +40,18 @@ class Layout(Protocol):
 
 def layout_for(opts: Options, trace: FakeRun) -> Layout:
     """The layout ``opts`` ask for."""
+    if opts.cp > 1 and trace.context is not None:  # the ring attention's buffers on top (context.py)
+        from .context import ContextLayout
+
+        return ContextLayout(layout_for(opts.with_(cp=1), trace), trace.context)
     if opts.parallel:  # the trace is one rank's of a tensor- or pipeline-parallel job (rank_trace.py)
         from .model_parallel import ModelParallelLayout
 
         return ModelParallelLayout.of(opts, trace)
+    if opts.fsdp_traced:  # the trace is one FSDP2 rank's (fsdp.py)
+        from .fsdp import FsdpLayout
+
+        return FsdpLayout.of(opts, trace)
     from .zero import ZeroLayout
 
     return ZeroLayout.of(opts, trace)

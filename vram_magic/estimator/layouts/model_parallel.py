@@ -1,6 +1,7 @@
 """One rank of a tensor- or pipeline-parallel job, replayed: its trace is already the rank's own (the shards, the
 stages, the collectives' outputs, the receive buffers: ``rank_trace.py``), so what is left is ZeRO/FSDP over the
-data-parallel ranks (``dp = world / (tp × pp)``; :class:`.zero.ZeroLayout` with ``dp`` ranks) and the device: gloo's
+data-parallel ranks (``dp = world / (tp × pp × cp)``; :class:`.zero.ZeroLayout` with ``dp × cp`` ranks, as torchtitan's
+FSDP mesh shards over the context-parallel ranks too) and the device: gloo's
 staging buffers are the CPU's (a CUDA estimate gives them no bytes, NCCL has no staging copy)."""
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ class ModelParallelLayout:
 
     @classmethod
     def of(cls, opts: Options, trace: FakeRun) -> ModelParallelLayout:
-        return cls(ZeroLayout.of(opts.with_(world=opts.dp), trace))
+        return cls(ZeroLayout.of(opts.with_(world=opts.dp * opts.cp), trace))
 
     def rank_sizes(self, trace: FakeRun, opts: Options) -> tuple[dict[int, int], int]:
-        sizes, state = self.data.rank_sizes(trace, opts.with_(world=opts.dp))
+        sizes, state = self.data.rank_sizes(trace, opts.with_(world=opts.dp * opts.cp))
         if opts.device == "cuda":
             for s, role in trace.owner.items():
                 if role in _GLOO:
@@ -40,7 +41,7 @@ class ModelParallelLayout:
         return self.data.window(trace)
 
     def model_states(self, trace: FakeRun, opts: Options, state_bytes: int) -> int:
-        return self.data.model_states(trace, opts.with_(world=opts.dp), state_bytes)
+        return self.data.model_states(trace, opts.with_(world=opts.dp * opts.cp), state_bytes)
 
     def notes(self, opts: Options) -> list[str]:
         notes = self.data.notes(opts)

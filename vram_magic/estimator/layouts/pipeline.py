@@ -45,7 +45,13 @@ from ..tracing.tracer import BACKWARD, FORWARD, LOSS
 from .tensor import is_dtensor
 
 #: PyTorch's class for each schedule
-SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B"}
+SCHEDULE_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B",
+                    "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                    "dualpipev": "ScheduleDualPipeV"}
+#: the schedules with two stages a rank, and how they lay them: "loop" (rank, rank + p) or "v" (rank, 2p − 1 − rank)
+TWO_A_RANK = {"interleaved": "loop", "interleaved-zb": "loop", "zbv": "v", "dualpipev": "v"}
+#: the zero-bubble schedules, replayed from PyTorch's lowered action list (schedule_runtime.py)
+RUNTIME = frozenset({"interleaved-zb", "zbv", "dualpipev"})
 
 
 @dataclass(frozen=True)
@@ -53,9 +59,12 @@ class Split:
     """Which of the model's children each stage runs: ``stages[s]`` is a range of child indices."""
 
     stages: tuple[range, ...]
-    names: tuple[str, ...]  # the children's names
+    names: tuple[str, ...]  # the children's names (a real model's: its layers')
+    plan: Any = None  # a real model's stages (stages.StagePlan): each stage is cut from the model (stages.py)
 
     def describe(self, stage: int) -> str:
+        if self.plan is not None:
+            return self.plan.describe(stage)
         r = self.stages[stage]
         first, last = self.names[r.start], self.names[r.stop - 1]
         return f"stage {stage}: {first}" if r.start == r.stop - 1 else f"stage {stage}: {first}–{last}"
@@ -63,11 +72,20 @@ class Split:
 
 def split(model: nn.Module, stages: int, split_points: tuple[str, ...] = (), units_of: Any = None) -> Split:
     """The stages of ``model`` (``units_of(model)``: its blocks); ``ValueError`` for a model that is no
-    ``nn.Sequential``, unknown split points, or more stages than blocks."""
+    ``nn.Sequential``, transformers decoder or torchtitan model, unknown split points, or more stages than blocks."""
     if not isinstance(model, nn.Sequential):
-        raise ValueError(f"pipeline parallelism splits an nn.Sequential into stages (its children run one after the "
-                         f"other, as torch.distributed.pipelining's manual stages do); {type(model).__name__} is not "
-                         "one: pass the model as nn.Sequential(embedding, *blocks, head), or estimate it with pp=1")
+        from .stages import model_parts, plan_stages
+
+        parts = model_parts(model)
+        if parts is None:
+            raise ValueError(f"pipeline parallelism splits an nn.Sequential into stages (its children run one after "
+                             f"the other, as torch.distributed.pipelining's manual stages do), or cuts a transformers "
+                             f"decoder laid out as Llama's or a torchtitan model into stages; {type(model).__name__} "
+                             "is neither: pass the model as nn.Sequential(embedding, *blocks, head), or estimate it "
+                             "with pp=1")
+        plan = plan_stages(model, parts, stages, split_points)
+        return Split(tuple(range(ls[0], ls[-1] + 1) for ls in plan.layers),
+                     tuple(parts.layer_name(i) for i in range(parts.n_layers)), plan)
     names = tuple(n for n, _ in model.named_children())
     children = list(model.children())
     if split_points:
@@ -100,8 +118,11 @@ def split(model: nn.Module, stages: int, split_points: tuple[str, ...] = (), uni
     return Split(tuple(range(a, b) for a, b in zip(bounds, bounds[1:])), names)
 
 
-def stages_of(rank: int, ranks: int, n_stages: int) -> list[int]:
-    """The stages rank ``rank`` holds: one, or under the interleaved schedule ``rank``, ``rank + p``, …"""
+def stages_of(rank: int, ranks: int, n_stages: int, schedule: str = "1f1b") -> list[int]:
+    """The stages rank ``rank`` holds: one, or under a looped schedule ``rank``, ``rank + p``, …, or under a V-shaped
+    one ``rank`` and ``2p − 1 − rank``."""
+    if TWO_A_RANK.get(schedule) == "v":
+        return [rank, n_stages - 1 - rank]
     return list(range(rank, n_stages, ranks))
 
 
@@ -203,32 +224,43 @@ def buffers_per_use() -> bool:
     return importlib.util.find_spec("torch.distributed.pipelining._recv_buffers") is not None
 
 
-def make_stages(model: nn.Sequential, cut: Split, mine: list[int], micro: torch.Tensor, m: int,
-                has_backward: bool) -> list[StageOnRank]:
+def make_stages(model: nn.Module, cut: Split, mine: list[int], micro: torch.Tensor, m: int,
+                has_backward: bool, seq_shards: int = 1) -> list[StageOnRank]:
     """The rank's stages with their receive buffers, shaped by running the stages before on one fake micro-batch
-    (no grad): what ``PipelineStage`` infers in its first step."""
-    children = list(model.children())
+    (no grad): what ``PipelineStage`` infers in its first step. A real model's stages are cut from it
+    (``stages.build_stage``, over the fake copy's own modules) and pass ``(micro-batch, seq / seq_shards, hidden)``
+    between them (``seq_shards``: sequence parallelism's shards), shapes known without running them (an MoE's
+    routing, say, cannot run outside the traced step)."""
     n = len(cut.stages)
-    shapes: list[tuple[Any, Any]] = []  # (input, output) per stage
-    with torch.no_grad():
-        x = micro
-        for r in cut.stages:
-            y = x
-            for i in r:
-                y = children[i](y)
-            shapes.append((x, y))
-            x = y
+    likes: dict[int, tuple[Any, Any]] = {}  # (input, output) per stage: (shape, dtype)
+    if cut.plan is not None:
+        from .stages import build_stage, hidden_like
+
+        modules = {s: build_stage(model, cut.plan, s, copy_weights=False) for s in mine}
+        for module in modules.values():
+            module.seq_shards = seq_shards
+        width, dtype = hidden_like(model, cut.plan.parts)
+        hidden = (torch.Size((micro.shape[0], micro.shape[1] // seq_shards, width)), dtype)
+        likes = {s: ((micro.shape, micro.dtype) if s == 0 else hidden, hidden) for s in mine}
+    else:
+        children = list(model.children())
+        modules = {s: nn.Sequential(*[children[i] for i in cut.stages[s]]) for s in mine}
+        with torch.no_grad():
+            x = micro
+            for s, r in enumerate(cut.stages):
+                y = x
+                for i in r:
+                    y = children[i](y)
+                likes[s] = ((x.shape, x.dtype), (y.shape, y.dtype))
+                x = y
     out = []
     kept = not buffers_per_use()
     for s in mine:
-        r = cut.stages[s]
-        module = nn.Sequential(*[children[i] for i in r])
-        inp, outp = shapes[s]
-        input_like, output_like = (inp.shape, inp.dtype), (outp.shape, outp.dtype)
+        input_like, output_like = likes[s]
         received = [] if s == 0 or not kept else [_buffer(input_like, has_backward) for _ in range(m)]
         grads_in = [] if s == n - 1 or not has_backward or not kept else [_buffer(output_like, False)
                                                                           for _ in range(m)]
-        out.append(StageOnRank(s, module, s == 0, s == n - 1, received, grads_in, input_like, output_like))
+        out.append(StageOnRank(s, modules[s], s == 0, s == n - 1, received, grads_in, input_like, output_like))
     return out
 
 
@@ -242,6 +274,7 @@ class PipelineRank:
         self.order, self.m, self.schedule, self.ranks = order, m, schedule, ranks
         self.per_use = buffers_per_use()
         self.kept: list[Any] = []  # what outlives the step: the last stage's outputs, the sent-back gradients
+        self.loss_of: Any = None  # (output, micro-batch) → loss; None: the step's loss_fn or stand-in of the output
 
     def claims(self) -> list[tuple[torch.Tensor, tuple[str, str]]]:
         """The receive buffers, alive from the first step on."""
@@ -255,6 +288,7 @@ class PipelineRank:
         """One step's forwards and backwards (``batch``: the first stage's input, split into micro-batches)."""
         tracer, claim = step.tracer, step.claim
         loss_fn = step.request.loss_fn or _stated(step)
+        loss_of = self.loss_of or (lambda output, j: loss_fn(output))
         micro = torch.tensor_split(batch, self.m) if batch is not None else [None] * self.m
         cache: dict[tuple[int, int], tuple[Any, Any]] = {}
         losses: dict[tuple[int, int], Any] = {}
@@ -300,7 +334,7 @@ class PipelineRank:
                     outputs[s].append(out)
                     claim(out, outputs_role(s))
                     tracer.stage = LOSS
-                    losses[(s, j)] = loss_fn(out)
+                    losses[(s, j)] = loss_of(out, j)
                 elif lowered:
                     pass  # kept until the wait on its send
                 elif self.per_use:
@@ -342,7 +376,7 @@ class PipelineRank:
                 for p in stage.module.parameters():
                     claim(p.grad, ("gradients", "gradients"))
                 if stage.last and not stage.first:
-                    out.detach_()
+                    _detach(out)
                 del out, inp
         for outs in outputs.values():
             if outs:
@@ -372,6 +406,14 @@ def _release_sent(cache: dict[tuple[int, int], tuple[Any, Any]], sent: list[tupl
     sent.clear()
 
 
+def _detach(out: torch.Tensor) -> None:
+    """The last stage's output let go of its graph (``backward_one_chunk``; PyTorch leaves a view as it is)."""
+    try:
+        out.detach_()
+    except RuntimeError:  # a view
+        pass
+
+
 def _stated(step: Any) -> Any:
     """The stand-in loss a step uses when none is given, noting which it was."""
     from ..step.loss import stand_in_loss
@@ -383,5 +425,5 @@ def _stated(step: Any) -> Any:
     return loss
 
 
-__all__ = ["SCHEDULES", "SCHEDULE_CLASSES", "PipelineRank", "Split", "StageOnRank", "actions", "check_micro_batches",
-           "interleaved_actions", "make_stages", "split", "stages_of"]
+__all__ = ["RUNTIME", "SCHEDULES", "SCHEDULE_CLASSES", "TWO_A_RANK", "PipelineRank", "Split", "StageOnRank", "actions",
+           "check_micro_batches", "interleaved_actions", "make_stages", "split", "stages_of"]

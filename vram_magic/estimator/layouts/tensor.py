@@ -184,6 +184,18 @@ def check_heads(model: nn.Module, tp: int) -> None:
             raise ValueError(f"tp={tp} does not divide the model's {what} ({n}): each rank computes whole heads")
 
 
+def shards_sequence(plan: list[tuple[str, Any]]) -> bool:
+    """Whether the plan hands the layers sequence shards (sequence parallelism: a style whose output is
+    ``Shard(1)``, as the default plan's embedding is): a pipeline stage then receives a shard of the sequence."""
+    from torch.distributed.tensor import Shard
+
+    for _, style in plan:
+        layouts = getattr(style, "output_layouts", None)
+        if any(isinstance(x, Shard) and x.dim == 1 for x in (layouts if isinstance(layouts, tuple) else (layouts,))):
+            return True
+    return False
+
+
 def needs_positions(plan_given: bool, model: nn.Module) -> bool:
     """Under the default plan the embeddings' output is a sequence shard, from which a decoder would count its
     positions: the inputs get ``position_ids`` (as the measured runs pass them)."""
@@ -341,4 +353,5 @@ def _nbytes(t: Any) -> int:
 
 
 __all__ = ["DEFAULT_NOTE", "collective_volumes", "TensorParallelTracer", "decoder_parts", "default_plan",
-           "fake_group", "is_dtensor", "local", "local_bytes", "needs_positions", "resolve", "shard"]
+           "fake_group", "is_dtensor", "local", "local_bytes", "needs_positions", "resolve", "shard",
+           "shards_sequence"]

@@ -70,6 +70,17 @@ class ZeroLayout:
                     sizes[s] = -(-sizes[s] // self.world)
         return sizes, state_bytes
 
+    def host_bytes(self, trace: FakeRun, opts: Options) -> tuple[int, int]:
+        """``(host, pinned)``: with ``offload`` on a GPU, the optimizer's state (the rank's share under ZeRO) on the
+        host, pageable."""
+        if not self.offload or opts.device != "cuda" or opts.inference:
+            return 0, 0
+        from ...core.events import alive_after
+
+        alive = alive_after(trace.initial, trace.events, trace.marks.get("step_end", len(trace.events)))
+        state = sum(trace.sizes.get(s, 0) for s in alive if trace.owner.get(s, ("",))[0] == "optimizer_state")
+        return (-(-state // self.world) if self.stage else state), 0
+
     def buffers(self, training: bool) -> dict[str, int]:
         """Collective buffers alive while the step's forward and backward run (modelled, per rank)."""
         out: dict[str, int] = {}

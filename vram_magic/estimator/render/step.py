@@ -22,12 +22,20 @@ def heading(est: StepEstimate) -> str:
 def summary(est: StepEstimate) -> list[str]:
     """What the step trained on and what it keeps for the whole step: the loss, the model states."""
     lines = []
+    if est.step:
+        lines.append(f"step: {est.step}")
     if est.loss:
         lines.append(f"loss: {est.loss}")
     if est.model_states and est.options is not None and not est.options.inference:
         per_rank = " per rank" if est.options.zero else ""
         lines.append(f"model states{per_rank} (parameters + gradients + optimizer state): "
                      f"{format_bytes(est.model_states)}")
+    if getattr(est, "host", 0):
+        pinned = f", {format_bytes(est.pinned)} of it pinned" if getattr(est, "pinned", 0) else ""
+        lines.append(f"on the host{' per rank' if est.options is not None and est.options.zero else ''} (offloaded, "
+                     f"not in the peak): {format_bytes(est.host)}{pinned}")
+    if est.host_pinned:
+        lines.append(f"activations on the host (not in the peak): {format_bytes(est.host_pinned)} pinned")
     return lines
 
 

@@ -36,6 +36,9 @@ def candidates(opts: Options, batch: int | None) -> list[Candidate]:
     if name in ("adam", "adamw", "Adam", "AdamW"):
         out.append(Candidate("SGD with momentum", {"optimizer": "sgd-momentum"}, 1, "one state tensor instead of two"))
         out.append(Candidate("Adafactor", {"optimizer": "adafactor"}, 1, "factored second moments"))
+        if opts.device == "cuda":
+            out.append(Candidate("8-bit AdamW (bitsandbytes)", {"optimizer": "adamw8bit"}, 1,
+                                 "AdamW's moments in 8 bits, block-wise; needs bitsandbytes on CUDA"))
     if not opts.offload:
         out.append(Candidate("optimizer state offloaded", {"offload": True},
                              1, "step on the host; PCIe traffic each step"))
@@ -46,11 +49,19 @@ def candidates(opts: Options, batch: int | None) -> list[Candidate]:
         out.append(Candidate(f"FSDP (ZeRO-3) × {world} GPUs", {"zero": 3, "world": world}, 1,
                     "per rank; all-gathers each forward/backward"))
     out.extend(_quantized(opts))
+    if opts.step is None and not opts.optimizer_in_backward and opts.accumulate == 1 and not opts.master_weights \
+            and not opts.parallel:
+        out.append(Candidate("optimizer in backward", {"optimizer_in_backward": True}, 1, "each parameter steps as its "
+                             "gradient is accumulated: no accumulation, no global-norm clipping"))
     if not opts.checkpointing and opts.amp is None and not low:
         out.append(Candidate("AMP bf16 + checkpointing", {"amp": torch.bfloat16, "checkpointing": True}, 1, ""))
         if batch and batch >= 4:
             out.append(Candidate("bf16 + checkpointing + accumulate 4",
                         {"dtype": torch.bfloat16, "checkpointing": True, "accumulate": 4}, 4, ""))
+    if opts.step is not None or opts.optimizer_in_backward:  # the user's step settles its autocast and accumulation;
+        # an optimizer in backward takes none
+        banned = {"amp", "accumulate"} if opts.step is not None else {"accumulate"}
+        out = [c for c in out if not banned & set(c.changes)]
     return out
 
 

@@ -3,6 +3,9 @@
 On CUDA, PyTorch's optimizers default to the ``foreach`` implementation, whose temporaries are as large
 as the parameters; on the CPU they default to the per-parameter loop. Estimating for CUDA therefore asks
 for ``foreach=True`` explicitly, unless the user chose ``fused`` or ``foreach`` themselves.
+
+bitsandbytes' and torchao's optimizers are not run: their state is made from the parameters' shapes
+(``low_bit_optimizers.py``); Muon runs with AdamW for the parameters that are not matrices (``muon.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Any
 import torch
 
 from ..options import OptimizerChoice
+from .low_bit_optimizers import ModelledOptimizer, recipe_for
+from .muon import MuonWithAdamW, is_muon, muon_settings
 
 _BY_NAME: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
     "sgd": (torch.optim.SGD, {"lr": 1e-3}),
@@ -28,7 +33,14 @@ _BY_NAME: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 def make_optimizer(spec: Any, params: list[torch.nn.Parameter], device: str) -> torch.optim.Optimizer:
     """``spec``: a name from :data:`_BY_NAME`, an optimizer class, or an optimizer object (or the
     ``options.OptimizerChoice`` made of one) whose class and hyper-parameters are reused (never its state or
-    parameters)."""
+    parameters). bitsandbytes' and torchao's optimizers (by name, class or object) come back as a
+    :class:`ModelledOptimizer` with the object's settings (bits, paging, block size); Muon as Muon with AdamW."""
+    recipe = recipe_for(spec)
+    if recipe is not None:
+        return ModelledOptimizer(params, recipe, device)
+    if is_muon(spec):
+        adamw = {"lr": 1e-3, "foreach": device == "cuda"}
+        return MuonWithAdamW(params, muon_settings(spec), adamw, _skip_graph_capture_check)
     if isinstance(spec, str):
         cls, kwargs = _BY_NAME[spec]
         kwargs = dict(kwargs)

@@ -12,10 +12,21 @@ from typing import Any
 from ..options import Options
 from ..replay import from_trace
 from ..result import ParallelEstimate, RankEstimate
+from .low_bit_optimizers import paged_note, paged_share
 
 
 def pipeline_rank(rank: int, opts: Options) -> int:
     return (rank // opts.tp) % opts.pp
+
+
+def pipeline_stages(opts: Options, pp_rank: int) -> tuple[int, ...]:
+    """The pipeline stages rank ``pp_rank`` holds (none without a pipeline)."""
+    if opts.pp == 1:
+        return ()
+    from ..layouts.pipeline import TWO_A_RANK, stages_of
+
+    n = opts.pp * (2 if opts.schedule in TWO_A_RANK else 1)
+    return tuple(stages_of(pp_rank, opts.pp, n, opts.schedule))
 
 
 def role_name(opts: Options, pp_rank: int, stages: tuple[int, ...]) -> str:
@@ -39,8 +50,7 @@ def evaluate_ranks(workload: Any, opts: Options) -> ParallelEstimate:
         o = opts.with_(pp_rank=pp_rank)
         trace = workload.trace(o)
         r = from_trace(trace, o, workload.target)
-        stages = tuple(range(pp_rank, opts.pp * 2, opts.pp)) if opts.schedule == "interleaved" and opts.pp > 1 \
-            else ((pp_rank,) if opts.pp > 1 else ())
+        stages = pipeline_stages(opts, pp_rank)
         ranks = tuple(k for k in range(opts.world) if pipeline_rank(k, opts) == pp_rank)
         roles.append(RankEstimate(
             ranks=ranks, role=role_name(opts, pp_rank, stages), stages=stages, peak=r.peak,
@@ -55,6 +65,9 @@ def evaluate_ranks(workload: Any, opts: Options) -> ParallelEstimate:
     if opts.pp > 1:
         notes.append(f"the headline is rank {roles[top].ranks[0]}'s ({roles[top].role}), the most loaded; each "
                      "rank's peak is in est.ranks[r]")
+    paged = paged_share(trace.paged, opts)
+    if paged:
+        notes.append(paged_note(paged))
     return ParallelEstimate(
         model=workload.request.name, description=opts.describe(), device=opts.device, peak=r.peak,
         after_forward=r.after_forward, top_modules=r.top_modules, flops=dict(trace.flops), batch=trace.batch,
@@ -62,7 +75,7 @@ def evaluate_ranks(workload: Any, opts: Options) -> ParallelEstimate:
         gpu=gpu.name if gpu is not None else None, capacity=r.capacity, reserved=r.reserved, context=r.context,
         needed=r.needed, fits=fits, partial=any(t.problem is not None for t, _ in replays), problem=trace.problem,
         modelled=r.modelled, notes=tuple(notes), wall_time=sum(t.wall for t, _ in replays), loss=trace.loss,
-        model_states=r.model_states, options=opts, rerun=workload,
+        model_states=r.model_states, paged=paged, step=trace.step, options=opts, rerun=workload,
         ranks=tuple(roles[pipeline_rank(k, opts)] for k in range(opts.world)), roles=tuple(roles),
         most_loaded=roles[top].ranks[0], tp=opts.tp, pp=opts.pp, dp=opts.dp,
         micro_batches=(opts.micro_batches or opts.pp) if opts.pp > 1 else None,
@@ -75,4 +88,4 @@ def sum_parameters(replays: list[Any]) -> int:
     return sum(t.param_count for t, _ in replays)
 
 
-__all__ = ["evaluate_ranks", "pipeline_rank", "role_name"]
+__all__ = ["evaluate_ranks", "pipeline_rank", "pipeline_stages", "role_name"]

@@ -30,16 +30,19 @@ from ..tracing.traced import FakeRun
 from ..tracing.tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
 from .first_step import claim_state, run_first_step, state_key
 from .loss import describe_loss, stand_in_loss
-from .optimizers import is_fused, make_optimizer
+from .low_bit_optimizers import ModelledOptimizer, paged_bytes, recipe_note
+from .muon import MUON_NOTE, MuonWithAdamW
+from .optimizers import is_fused
+from .recipes.levers import Levers, checkpoint_context, make_step_optimizer
 
 
 def checkpoint_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks activation checkpointing (and FSDP) wraps: the children of the longest ModuleList or
-    Sequential of like modules; else the model's children."""
+    """The blocks activation checkpointing (and FSDP) wraps: the children of the longest ModuleList, Sequential or
+    ModuleDict (a pipeline stage's layers, torchtitan's) of like modules; else the model's children."""
     best: list[nn.Module] = []
     for m in model.modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2:
-            kids = list(m)
+        if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(m) >= 2:
+            kids = list(m.values()) if isinstance(m, nn.ModuleDict) else list(m)
             kinds = {type(k) for k in kids}
             if len(kinds) == 1 and len(kids) > len(best) and any(True for _ in kids[0].parameters()):
                 best = kids
@@ -88,6 +91,10 @@ def _shaped_specs(request: Request, opts: Options,
         specs, batch = resize(specs, 0, batch, opts.batch), opts.batch
     if opts.seq is not None and seq is not None:
         specs, seq = resize(specs, 1, seq, opts.seq), opts.seq
+    if opts.cp > 1:  # a context-parallel rank runs its shard of the sequence (layouts/context.py)
+        from ..layouts.context import shard_length
+
+        specs = resize(specs, 1, seq, shard_length(seq, opts.cp))
     micro_batch = batch
     if opts.accumulate > 1 and batch is not None:
         micro_batch = -(-batch // opts.accumulate)
@@ -113,6 +120,7 @@ class _FakeStep:
         self.ops_start = 0  # the op log's row where the last step starts
         self.autocast: Any = None  # CUDA's autocast policy (estimator/device/autocast.py), for amp= estimates for CUDA
         self.states: dict[Any, Any] | None = None  # the optimizer state earlier runs' first steps left (first_step.py)
+        self.levers = Levers(opts)  # the recipes' levers (step/recipes/): the user's step, the loss, what is saved
 
     # --- the model and its inputs on fake tensors -------------------------------------------------------------
     def build(self) -> None:
@@ -129,6 +137,10 @@ class _FakeStep:
         with mode:
             self.inputs = from_specs(self.specs, opts.dtype if opts.amp is None else None)
         model, self.notes = adapt_linear_layers(model, opts, mode)  # quantize=, lora=
+        if opts.float8:  # torchao's Float8Linear in place of the linear layers (step/float8.py)
+            from .float8 import float8_linears
+
+            model = float8_linears(model, mode, self.notes)
         if opts.inference:
             model.eval()
         else:
@@ -136,10 +148,17 @@ class _FakeStep:
         if self.parallel is not None:
             model = self.parallel.build(self, model, checkpoint_units)
             self.notes += self.parallel.notes
+        self.context = None  # context parallelism's ring attention (layouts/context.py)
+        if opts.cp > 1:
+            from ..layouts.context import ring_shapes
+
+            self.context = ring_shapes(model, opts, self.micro_batch, self.seq // opts.cp)
         self.units = checkpoint_units(model)
         if opts.checkpointing and not opts.inference:
-            self.notes.append("checkpointing: " + enable_checkpointing(model, self.units, int(opts.checkpointing),
-                                                                       modes=not self.compiled))
+            self.notes.append("checkpointing: " + enable_checkpointing(
+                model, self.units, int(opts.checkpointing), modes=not self.compiled,
+                context_fn=checkpoint_context(opts, not self.compiled)))
+        self.levers.build(model, self.inputs)
         self.model = model
 
     # --- the optimizer, the storages alive before the step, the tracer ------------------------------------------
@@ -155,7 +174,7 @@ class _FakeStep:
             with mode:
                 if opts.master_weights:  # the optimizer updates an fp32 copy; the model keeps bf16/fp16 weights
                     self.masters = [nn.Parameter(torch.empty(p.shape, dtype=torch.float32)) for p in self.trainable]
-                self.optimizer = make_optimizer(opts.optimizer, self.masters or self.trainable, opts.device)
+                self.optimizer = make_step_optimizer(opts, self.masters or self.trainable)
         self.registry = LiveStorages()
         for p, label in parameter_labels(model):  # quantized, adapters, frozen: named before the plain ones
             self.claim(p, ("parameters", label))
@@ -173,8 +192,15 @@ class _FakeStep:
         self.runner = self._runner()
         if self.parallel is not None:
             self.parallel.prepare(self)
-        self.tracer = (self.parallel.tracer if self.parallel is not None else StepTracer)(self.registry, self.names)
+        self.tracer = (self.parallel.tracer if self.parallel is not None else self.levers.tracer_class)(self.registry,
+                                                                                                       self.names)
         self.tracer.target = opts.device
+        self.levers.prepare(self)
+        if isinstance(self.optimizer, ModelledOptimizer):  # its update's row in the op log, for the time model
+            self.optimizer.ops = self.tracer.ops
+            self.notes.append(recipe_note(self.optimizer.recipe, opts.device))
+        elif isinstance(self.optimizer, MuonWithAdamW):
+            self.notes.append(MUON_NOTE)
         self.tracer.input_keys = {id(t.untyped_storage()) for t in tensors_in(self.inputs) if t.layout == torch.strided}
 
     def claim(self, t: Any, cat: tuple[str, str]) -> int | None:
@@ -225,7 +251,7 @@ class _FakeStep:
                         self.ops_start = len(tracer.ops)
                     if opts.inference:
                         self._forward(last)
-                    elif step == 0 and steps > 1 and not scripted:
+                    elif step == 0 and steps > 1 and not scripted and not self.levers.real_first_step:
                         assert self.optimizer is not None
                         run_first_step(self.updater, self.optimizer, self.masters or self.trainable, self.trainable,
                                        tracer, self.claim, self.host_scalars, self.states, self._state_key())
@@ -240,7 +266,9 @@ class _FakeStep:
         except EstimateError:
             raise
         except Exception as err:
-            raise EstimateError(failure_message(err, tracer, self.model, self.specs)) from err
+            user = self.levers.user
+            raise EstimateError(user.failure(err, tracer, self.model, self.specs) if user is not None else
+                                failure_message(err, tracer, self.model, self.specs)) from err
 
     def _forward(self, last: bool) -> None:
         """An inference step: one forward under ``inference_mode``."""
@@ -254,21 +282,22 @@ class _FakeStep:
     def _train_step(self, last: bool) -> None:
         """A training step: forward, loss and backward of each micro-batch, the optimizer step, ``zero_grad``."""
         tracer, marks, optimizer = self.tracer, self.marks, self.optimizer
+        if self.levers.user is not None:
+            return self.levers.user.run(self, last)
         loss_fn = self.request.loss_fn or self._stated_loss
         out = loss = None
         piped = self.parallel is not None and self.parallel.forward_backward(self, last)
         for micro in range(0 if piped else self.n_micro):
             out = loss = None  # the previous micro-batch's output lives until this one replaces it
-            tracer.stage = FORWARD
-            with self.amp:
-                out = call_model(self.runner, self.inputs)
-                tracer.stage = LOSS
-                loss = loss_fn(out)
+            with self.amp, self.levers.saving():
+                out, loss = self.levers.forward_loss(self, loss_fn)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise EstimateError("loss_fn must return a scalar tensor, got "
                                     f"{type(loss).__name__}{tuple(getattr(loss, 'shape', ()))}")
             if last and micro == self.n_micro - 1:
                 marks["forward_end"] = len(tracer.counts.events)
+            if not self.opts.keep_output:  # model(**batch).loss.backward(): the output is freed before backward
+                out = None
             tracer.stage = BACKWARD
             loss.backward()
             for p in self.trainable:
@@ -276,7 +305,7 @@ class _FakeStep:
         assert optimizer is not None
         for i, p in enumerate(self.trainable):  # state stood in for a parameter this step leaves without a gradient
             key = self.masters[i] if self.masters else p
-            if p.grad is None and key in optimizer.state:
+            if p.grad is None and key in optimizer.state and not self.levers.real_first_step:
                 del optimizer.state[key]
         if last:
             marks["backward_end"] = len(tracer.counts.events)
@@ -320,6 +349,11 @@ class _FakeStep:
                 self.notes.append(note)
         if self.autocast is not None:
             self.notes.append(self.autocast.note())
+        if tracer.draws:
+            where = ", ".join(sorted(set(tracer.draws)))
+            self.notes.append(f"random draws read in the forward (in {where}) were taken at the top of their range: "
+                              "'torch.rand() < p' is False, so LayerDrop keeps every layer (the most memory); the real "
+                              "step drops each with its probability")
         step_flops = [now - before for now, before in zip(tracer.flops, self.last_flops or [0] * len(tracer.flops))]
         scale = opts.accumulate / self.n_micro if opts.accumulate > 1 else 1.0
         flops = {
@@ -339,8 +373,10 @@ class _FakeStep:
             grad_bytes=sum(self._bytes(p) for p in self.trainable) if not opts.inference else 0,
             state_bytes=sum(sizes.get(s, 0) for s, c in owner.items() if c[0] == "optimizer_state"),
             unit_param_bytes=_unit_bytes(self.units, self._bytes), wall=time.perf_counter() - t0,
-            loss="" if opts.inference else describe_loss(self.loss_used, self.model, self.specs), notes=self.notes,
+            loss="" if opts.inference else "your step's own (traced as written)" if opts.step is not None else
+            describe_loss(self.loss_used, self.model, self.specs), **self.levers.finish(self), notes=self.notes,
             answered=tracer.answered, ops=tracer.ops, ops_start=self.ops_start, micro_steps=self.n_micro,
+            paged=paged_bytes(self.optimizer) if self.optimizer is not None else 0, context=self.context,
         )
 
 

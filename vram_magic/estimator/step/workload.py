@@ -17,6 +17,7 @@ from ..result import Candidate, StepEstimate, Strategy
 from ..tracing.kept import KeptTraces
 from ..tracing.traced import FakeRun
 from .candidates import candidates
+from .low_bit_optimizers import paged_note, paged_share
 from .trace import trace_step
 
 #: traces a workload keeps (a what-if table makes about twenty; a plan's screen more)
@@ -52,14 +53,16 @@ class StepWorkload:
         trace = self.trace(opts)
         r = from_trace(trace, opts, self.target)
         gpu = self.target.gpu
+        paged = paged_share(trace.paged, opts)
         return StepEstimate(
             model=self.request.name, description=opts.describe(), device=opts.device, peak=r.peak,
             after_forward=r.after_forward, top_modules=r.top_modules, flops=dict(trace.flops), batch=trace.batch,
             seq=trace.seq, micro_batch=trace.micro_batch, parameters=trace.param_count,
             gpu=gpu.name if gpu is not None else None, capacity=r.capacity, reserved=r.reserved, context=r.context,
             needed=r.needed, fits=r.fits, partial=trace.problem is not None, problem=trace.problem,
-            modelled=r.modelled, notes=r.notes, wall_time=trace.wall, loss=trace.loss, model_states=r.model_states,
-            options=opts, rerun=self)
+            modelled=r.modelled, notes=r.notes + ((paged_note(paged),) if paged else ()), wall_time=trace.wall,
+            loss=trace.loss, model_states=r.model_states, paged=paged, host=r.host, pinned=r.pinned, step=trace.step,
+            host_pinned=trace.host_pinned, options=opts, rerun=self)
 
     def candidates(self, est: Any) -> list[Candidate]:
         assert est.options is not None

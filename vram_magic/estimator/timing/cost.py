@@ -16,11 +16,16 @@ per direction, at :data:`LINK_EFFICIENCY`; at least :data:`COLLECTIVE_LATENCY` p
 * ZeRO-2 reduce-scatters each micro-batch's gradients (the unsharded ones are not kept) and all-gathers the
   parameters once: ``(N − 1)/N × (K G + P)``;
 * ZeRO-3 / FSDP all-gathers the parameters for each micro-batch's forward and again for its backward and
-  reduce-scatters its gradients: ``(N − 1)/N × K (2 P + G)``.
+  reduce-scatters its gradients: ``(N − 1)/N × K (2 P + G)``; with FSDP2's ``MixedPrecisionPolicy`` ``P`` is the
+  parameters' bytes in ``param_dtype`` (bf16: half the fp32 weights'), ``G`` the gradients' in ``reduce_dtype``
+  (:func:`fsdp_traffic`).
 
 **Offload.** Optimizer state on the host: the gradients go down and the parameters come back over PCIe each step
 (at :data:`PCIE_EFFICIENCY`), and the host runs the update at :data:`HOST_ADAM_RATE` parameters per second, shared by
-the ranks of one host.
+the ranks of one host. FSDP2's ``CPUOffloadPolicy`` copies a rank's fp32 shards to the device for every all-gather
+(``2 K`` per step) and its gradients back after every reduce-scatter (``K``). Activations on the host
+(``offload_activations``, ``save_on_cpu``): every tensor saved for backward goes down in the forward and comes back in
+the backward, each micro-batch, at the same efficiency, synchronously (:func:`activation_transfers`).
 
 **Overlap.** None is assumed: communication, transfers and the host's update add to the GPU's time (an upper
 bound; FSDP and DDP overlap much of their communication with compute, and the result says so).
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from typing import Any
 
 from ...engine.phases import Phase
 from ..tracing.oplog import ATTENTION, CONV, DTYPES, MATMUL, OpLog
@@ -154,6 +160,42 @@ def data_parallel(stage: int | None, world: int, params: float, grads: float, mi
     if stage == 2:
         return ring(micro * grads + params, world, bandwidth, count=micro + 1)
     return ring(micro * (2 * params + grads), world, bandwidth, count=3 * micro)
+
+
+@dataclass(frozen=True)
+class FsdpTraffic:
+    """Bytes one FSDP2 rank moves per micro-batch: ``gather`` the whole model's parameters as all-gathered (per
+    all-gather), ``reduce`` its gradients as reduce-scattered, and with ``CPUOffloadPolicy`` ``to_device`` (the rank's
+    shards, for the forward's and the backward's all-gathers) and ``to_host`` (its sharded gradients)."""
+
+    gather: float
+    reduce: float
+    to_device: float = 0.0
+    to_host: float = 0.0
+
+
+def fsdp_traffic(opts: Any, trace: Any) -> FsdpTraffic:
+    """What a traced FSDP2 rank (``trace``: rank 0's, whose shards are padded) moves: its shards' elements times the
+    ranks, in ``param_dtype`` for the all-gathers and ``reduce_dtype`` for the reduce-scatters (each defaulting to the
+    one before, then to the parameters' own dtype)."""
+    import torch
+
+    def size(dtype: Any) -> int:
+        return torch.empty((), dtype=dtype or torch.float32).element_size()
+
+    own = size(opts.dtype)
+    gather = trace.param_bytes / own * opts.world * size(opts.param_dtype or opts.dtype)
+    reduce = trace.grad_bytes / own * opts.world * size(opts.reduce_dtype or opts.param_dtype or opts.dtype)
+    if not opts.offload_params:
+        return FsdpTraffic(gather, reduce)
+    return FsdpTraffic(gather, reduce, to_device=2.0 * trace.param_bytes, to_host=float(trace.grad_bytes))
+
+
+def activation_transfers(nbytes: float, pcie: float) -> float:
+    """Seconds of ``nbytes`` of saved activations crossing PCIe (down and back up, summed in ``nbytes``): no overlap,
+    as ``save_on_cpu`` copies in the autograd hooks (torchtune's ``OffloadActivations`` overlaps them on a stream of
+    their own: an upper bound for it)."""
+    return nbytes / (pcie * PCIE_EFFICIENCY) if pcie > 0 else 0.0
 
 
 def offload(params: float, grads: float, pcie: float, ranks_per_host: int, parameters: float) -> tuple[float, float]:

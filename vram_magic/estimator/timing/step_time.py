@@ -22,8 +22,10 @@ from .cost import (
     GPUS_PER_HOST,
     OpTimes,
     StepTime,
+    activation_transfers,
     bubble_time,
     data_parallel,
+    fsdp_traffic,
     offload,
     op_counts,
     tensor_parallel,
@@ -141,12 +143,16 @@ def step_time(ops: OpTimes, opts: Options, trace: FakeRun, net: Network) -> Step
     the update (sharded by ZeRO; on the host with offload), the collectives and the transfers."""
     micro = 1 if opts.inference else opts.accumulate
     world = opts.dp if opts.parallel else (opts.world if opts.world > 1 else 1)  # data parallelism over dp ranks
+    if opts.fsdp_traced and not opts.inference:
+        return fsdp_step_time(ops, opts, trace, net)
     optimizer = ops.optimizer / world if opts.zero else ops.optimizer
     transfers = 0.0
     if opts.offload and not opts.inference:
         shard = world if opts.zero else 1
         transfers, optimizer = offload(trace.param_bytes / shard, trace.grad_bytes / shard, net.pcie,
                                        net.ranks_per_host, trace.param_count / shard)
+    if opts.offload_activations and not opts.inference:  # save_on_cpu's copies, each micro-batch (the trace's: one)
+        transfers += activation_transfers(trace.offloaded * micro, net.pcie)
     collectives = 0.0 if opts.inference else data_parallel(opts.zero, world, trace.param_bytes, trace.grad_bytes,
                                                            micro, net.link)
     bubble = 0.0
@@ -155,6 +161,23 @@ def step_time(ops: OpTimes, opts: Options, trace: FakeRun, net: Network) -> Step
         bubble = bubble_time((ops.compute + ops.memory + ops.recompute) * micro, opts.pp, opts.micro_batches or opts.pp)
     return StepTime(compute=ops.compute * micro, memory=ops.memory * micro, recompute=ops.recompute * micro,
                     optimizer=optimizer, transfers=transfers, collectives=collectives, bubble=bubble)
+
+
+def fsdp_step_time(ops: OpTimes, opts: Options, trace: FakeRun, net: Network) -> StepTime:
+    """A step of one FSDP2 rank traced for real (``layouts/fsdp.py``): its update is the rank's own already (on the
+    host with ``offload="params"``), its all-gathers move the parameters in ``param_dtype`` and its reduce-scatters
+    the gradients in ``reduce_dtype`` (``cost.fsdp_traffic``), and with ``CPUOffloadPolicy`` the fp32 shards cross
+    PCIe for each all-gather and the gradients come back."""
+    micro = opts.accumulate
+    t = fsdp_traffic(opts, trace)
+    collectives = data_parallel(3, opts.world, t.gather, t.reduce, micro, net.link)
+    transfers, optimizer = 0.0, ops.optimizer
+    if opts.offload_params or opts.offload:
+        down = micro * t.to_host if opts.offload_params else trace.grad_bytes
+        up = micro * t.to_device if opts.offload_params else trace.param_bytes
+        transfers, optimizer = offload(up, down, net.pcie, net.ranks_per_host, trace.param_count / opts.world)
+    return StepTime(compute=ops.compute * micro, memory=ops.memory * micro, recompute=ops.recompute * micro,
+                    optimizer=optimizer, transfers=transfers, collectives=collectives)
 
 
 def model_parallel_time(trace: FakeRun, opts: Options, link: float) -> float:
@@ -206,5 +229,5 @@ def generate_time(trace: FakeRun, rates: Rates, new_tokens: int) -> StepTime:
     return StepTime(compute=compute, memory=memory)
 
 
-__all__ = ["INTERCONNECTS", "NETWORKS", "Network", "generate_time", "micro_ops", "model_parallel_time", "network_for",
-           "rates_for", "step_time"]
+__all__ = ["INTERCONNECTS", "NETWORKS", "Network", "fsdp_step_time", "generate_time", "micro_ops",
+           "model_parallel_time", "network_for", "rates_for", "step_time"]

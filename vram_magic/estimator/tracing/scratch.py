@@ -85,8 +85,10 @@ def _real(spec: Any, batch: int | None) -> Any:
         _, shape, dtype, cl = spec
         if batch is not None:
             shape = (batch,) + tuple(shape[1:])
-        t = torch.zeros(shape, dtype=dtype)  # the values do not size the scratch; zeros are the cheapest to make
-        return t.contiguous(memory_format=torch.channels_last) if cl else t
+        if cl:  # NHWC strides even where size-1 dimensions leave ``contiguous(memory_format=...)`` a no-op
+            n, c, h, w = shape
+            return torch.zeros((n, h, w, c), dtype=dtype).permute(0, 3, 1, 2)
+        return torch.zeros(shape, dtype=dtype)  # the values do not size the scratch; zeros are the cheapest to make
     if isinstance(spec, tuple):
         return list(spec)
     return spec

@@ -46,3 +46,10 @@ class FakeRun:
     ops_start: int = 0  # the op log's row where the last step starts (the one the peak and the time are of)
     micro_steps: int = 1  # micro-batches the last step ran (two stand for any gradient accumulation)
     op_marks: dict[str, int] = field(default_factory=dict)  # generate(): event -> the op log's row (prefill, steps)
+    paged: int = 0  # optimizer state in CUDA managed memory (bitsandbytes' paged optimizers): not in the device's bytes
+    context: Any = None  # context parallelism's ring attention shapes (layouts/context.py), or None
+    # the recipes (step/recipes/): the step in words (what stays alive when), the pinned host memory that activations
+    # saved on the host held at their peak, and the bytes they crossed PCIe in one micro-batch (down and up)
+    step: str = ""
+    host_pinned: int = 0
+    offloaded: int = 0

@@ -21,7 +21,7 @@ from ...engine.tracker.observer import TrackerObserver
 from ...engine.tracker.op_kinds import aliases, is_composite, run_decomposed
 from ...engine.tracker.scratch_ops import gemm_copies
 from ..device.sdpa import BACKWARD_OPS, SDPA, CudaAttention, call_with
-from ..fake.known_values import answer, propagate
+from ..fake.known_values import answer, drawn, propagate
 from ..torch_private import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -30,6 +30,7 @@ from ..torch_private import (
     push_mode,
 )
 from .fake_outputs import FakeOutputs
+from .kernels import OWN
 from .oplog import OpLog, Traits, op_traits
 
 # The stages of a traced step (engine/phases.py holds every phase), under the names they always had here
@@ -58,12 +59,29 @@ def strided_spec(args: Any) -> Any:
                  if isinstance(a, torch.Tensor) else a for a in args)
 
 
+def _strides_like_channels_last(t: torch.Tensor) -> bool:
+    """``Tensor::suggest_memory_format() == ChannelsLast`` (c10 ``is_channels_last_strides_2d_s4``), which is how
+    oneDNN's convolutions choose their layout. A tensor with size-1 dimensions can be contiguous in both formats
+    (a ``permute`` back from NHWC of ``(N, C, 1, 1)``: strides ``(C, 1, C, C)``); the convolution reads its
+    strides as channels-last, and its scratch differs (ConvNeXt's depthwise backward: 6.4 MB against 0.1 MB)."""
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return False
+    low = 0
+    for d in (1, 3, 2, 0):
+        if sizes[d] == 0 or strides[d] < low:
+            return False
+        if d == 0 and low == strides[1]:  # N111: not channels-last
+            return False
+        low = strides[d] * (sizes[d] if sizes[d] > 1 else 1)
+    return True
+
+
 def tensor_spec(t: Any, channels_last: bool = False) -> Any:
     """``("T", shape, dtype, channels-last)`` for a tensor (``channels_last``: every 4-d tensor counted so, as
     Inductor lays them out), the same inside lists and tuples, anything else as is."""
     if isinstance(t, torch.Tensor):
-        cl = t.dim() == 4 and (channels_last or (not t.is_contiguous()
-                                                 and t.is_contiguous(memory_format=torch.channels_last)))
+        cl = t.dim() == 4 and (channels_last or _strides_like_channels_last(t))
         return ("T", tuple(int(s) for s in t.shape), t.dtype, cl)
     if isinstance(t, (list, tuple)):
         return tuple(tensor_spec(v, channels_last) for v in t)
@@ -133,6 +151,7 @@ class StepTracer(Tracker):
         self.item_value = 1.0
         self.failed_in: tuple[str, str, str] | None = None  # (op, module, argument shapes)
         self.answered = 0  # value reads answered from real values
+        self.draws: list[str] = []  # modules whose value reads were answered from a stated random draw
         self.input_keys: set[int] = set()  # id() of the inputs' storages
         self.failed_stage = SETUP
         self.failed_on_input = False  # the failing op read an input tensor (or a view of one) directly
@@ -198,6 +217,22 @@ class StepTracer(Tracker):
             self.scratching = False
             del scratch
 
+    def _own_kernel(self, func: Any, own: Any, args: Any, kwargs: Any) -> Any:
+        """An op run by the estimator's own fake kernel (kernels.py); the buffers its real kernel holds besides its
+        outputs (``_ctc_loss_backward``'s ``log_beta``) alive for a moment once the outputs are counted."""
+        kernel, scratch = own
+        out = kernel(*args, **kwargs)
+        shapes = scratch(*args, **kwargs)
+        if shapes:
+            self.outputs.see_outputs(out, func)  # counted once: the caller's second look finds them known
+            push_mode(self)
+            try:
+                held = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+            finally:
+                pop_mode()
+            del held
+        return out
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if self.attention is not None and not self.compiling:
             if func is SDPA:
@@ -229,8 +264,9 @@ class StepTracer(Tracker):
             # the value. In the model itself it may steer control flow, so it is reported as a problem.
             if self.stage == OPTIMIZER:
                 return self.item_value
+        own = OWN.get(func)
         try:
-            out = func(*args, **kwargs)
+            out = func(*args, **kwargs) if own is None else self._own_kernel(func, own, args, kwargs)
         except FAKE_PROBLEMS as err:
             # a value read or a value-dependent shape: answered from the real values of small tensors
             # (masks, ids) when they are known, as the real run would answer it
@@ -240,6 +276,8 @@ class StepTracer(Tracker):
                     self.problem = (str(func), self.module() or "(top level)", type(err).__name__)
                 raise
             self.answered += 1
+            if drawn(args):
+                self.draws.append(self.module() or "(top level)")
         except Exception:
             if self.failed_in is None:  # the module hooks unwind before the caller sees the exception
                 self.failed_in = (str(func), self.module() or "(top level)", _shapes(args, kwargs))

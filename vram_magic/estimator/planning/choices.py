@@ -4,12 +4,13 @@ no saving is free)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ..options import Options, optimizer_name, short_dtype
+from .recipes import lever_facts, lever_options
 
 _BATCH_NORMS = (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d, torch.nn.SyncBatchNorm)
 
@@ -21,7 +22,7 @@ class Choice:
 
     micro: int
     accumulate: int
-    checkpointing: bool | int
+    checkpointing: bool | int | str  # False, True, every k-th block, or "ops" (op-level: recipes.py)
     zero: int | None
     offload: bool
     amp: torch.dtype | None
@@ -31,6 +32,10 @@ class Choice:
     global_batch: int
     tp: int = 1  # tensor-parallel ranks
     pp: int = 1  # pipeline stages (``accumulate`` is then the pipeline's micro-batches)
+    # FSDP2's MixedPrecisionPolicy (with zero=3): fp32 shards, the all-gathers and the compute in this dtype, the
+    # reduce-scatters in fp32; the class is traced as one FSDP2 rank (layouts/fsdp.py)
+    param_dtype: torch.dtype | None = None
+    levers: tuple[str, ...] = ()  # the recipes' levers (recipes.py); ``checkpointing="ops"`` is op-level checkpointing
 
     @property
     def per_rank(self) -> int:
@@ -38,19 +43,24 @@ class Choice:
 
     def trace_class(self) -> tuple[Any, ...]:
         """What changes the fake run besides the micro-batch and accumulation."""
-        return (self.checkpointing, self.amp, self.lora, self.quantize, self.optimizer, self.tp, self.pp)
+        return (self.checkpointing, self.amp, self.lora, self.quantize, self.optimizer, self.tp, self.pp) + \
+            ((self.param_dtype,) if self.param_dtype is not None else ()) + ((self.levers,) if self.levers else ())
 
     def options(self, base: Options, gpus: int) -> Options:
+        if self.levers or self.checkpointing == "ops":
+            plain = replace(self, levers=(), checkpointing=True if self.checkpointing == "ops" else self.checkpointing)
+            return plain.options(base, gpus).with_(**lever_options(self.levers, self.checkpointing))
         if self.tp > 1 or self.pp > 1:  # the micro-batches are the pipeline's; ZeRO, if any, over the dp ranks
             return base.with_(batch=self.per_rank, accumulate=self.accumulate if self.pp == 1 else 1,
                               checkpointing=self.checkpointing, zero=self.zero,
                               world=gpus, offload=self.offload, amp=self.amp, lora=self.lora, quantize=self.quantize,
                               optimizer=self.optimizer if self.optimizer is not None else base.optimizer,
                               tp=self.tp, pp=self.pp, micro_batches=self.accumulate if self.pp > 1 else None)
+        fsdp2 = {"param_dtype": self.param_dtype, "reduce_dtype": torch.float32} if self.param_dtype else {}
         return base.with_(batch=self.per_rank, accumulate=self.accumulate, checkpointing=self.checkpointing,
                           zero=self.zero, world=gpus if gpus > 1 else 1, offload=self.offload, amp=self.amp,
                           lora=self.lora, quantize=self.quantize,
-                          optimizer=self.optimizer if self.optimizer is not None else base.optimizer)
+                          optimizer=self.optimizer if self.optimizer is not None else base.optimizer, **fsdp2)
 
 
 @dataclass(frozen=True)
@@ -104,7 +114,7 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
         if built is not None and any(isinstance(m, _BATCH_NORMS) for m in built.modules()):
             trade.append(f"BatchNorm's statistics come from micro-batches of {c.micro} samples, not "
                          f"{c.per_rank}: noisier, and different from a step of the whole batch")
-    if c.checkpointing:
+    if c.checkpointing and c.checkpointing != "ops":
         every = int(c.checkpointing)
         changes.append("checkpointing" + (f" every {every} blocks" if every > 1 else ""))
         if hf and (every == 1 or callable(getattr(built, "activation_checkpointing_enable", None))):
@@ -119,6 +129,10 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
                         f"# in the forward, around {'every block' if every == 1 else f'one block in {every}'}:\n"
                         "x = checkpoint(block, x, use_reentrant=False)")
         trade.append("the checkpointed blocks' forward runs again in the backward")
+    if c.param_dtype is not None:
+        changes.append(f"FSDP2 {short_dtype(c.param_dtype)} params / fp32 reduce (MixedPrecisionPolicy)")
+        numerics.append(f"{short_dtype(c.param_dtype)} compute (FSDP2 casts the gathered weights, the activations "
+                        "follow), fp32 weights, gradient reduction and update")
     if c.amp is not None:
         name = short_dtype(c.amp)
         changes.append(f"{name} autocast")
@@ -142,12 +156,8 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
             trade.append("a 4-bit base: each matmul dequantizes its weight (slower), a small quality loss")
         trade.append("another fine-tuning method: only the adapters learn")
     if c.optimizer is not None:
-        changes.append(optimizer_name(c.optimizer))
-        numerics.append(f"{optimizer_name(c.optimizer)} instead of {optimizer_name(base.optimizer)}")
-        code.append({"sgd-momentum": "torch.optim.SGD(model.parameters(), lr=..., momentum=0.9)",
-                     "adafactor": "torch.optim.Adafactor(model.parameters(), lr=...)"}.get(str(c.optimizer),
-                                                                                         str(c.optimizer)))
-        trade.append("another optimizer: its learning rate and schedule need tuning again")
+        _optimizer_facts(c.optimizer, base, changes, numerics, code, trade)
+    lever_facts(c, changes, code, trade)
     if c.zero:
         what = {1: "ZeRO-1 (optimizer state sharded)", 2: "ZeRO-2 (optimizer state and gradients sharded)",
                 3: "FSDP / ZeRO-3 (everything sharded)"}[c.zero]
@@ -155,19 +165,55 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
         code.append({1: "torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW)",
                      2: "deepspeed.initialize(model=model, config={'zero_optimization': {'stage': 2}, ...})",
                      3: "from torch.distributed.fsdp import fully_shard\nfor block in blocks: fully_shard(block)\n"
-                        "fully_shard(model)"}[c.zero])
+                        "fully_shard(model)"}[c.zero] if c.param_dtype is None else _fsdp2_code(c))
     elif gpus // (c.tp * c.pp) > 1:
         changes.append(f"DDP × {gpus // (c.tp * c.pp)}")
         code.append("model = torch.nn.parallel.DistributedDataParallel(model)")
     if c.offload:
         changes.append("optimizer state on the host")
-        code.append(f"deepspeed config: {{'zero_optimization': {{'stage': {c.zero or 1}, "
-                    "'offload_optimizer': {'device': 'cpu'}}}")
+        if "in_backward" not in c.levers:  # with an optimizer in backward: torchao's CPUOffloadOptimizer (recipes.py)
+            code.append(f"deepspeed config: {{'zero_optimization': {{'stage': {c.zero or 1}, "
+                        "'offload_optimizer': {'device': 'cpu'}}}")
         trade.append("the update runs on the CPU and gradients and weights cross PCIe every step")
     if c.global_batch and c.per_rank * gpus // (c.tp * c.pp) != c.global_batch:
         changes.append(f"global batch {c.per_rank * gpus // (c.tp * c.pp)}")
     name = ", ".join(changes) if changes else "as it is"
     return Facts(name, tuple(changes), tuple(numerics), tuple(code), tuple(trade))
+
+
+#: the code that makes each optimizer a plan may offer
+_OPTIMIZER_CODE = {
+    "sgd-momentum": "torch.optim.SGD(model.parameters(), lr=..., momentum=0.9)",
+    "adafactor": "torch.optim.Adafactor(model.parameters(), lr=...)",
+    "adamw8bit": "import bitsandbytes as bnb\noptimizer = bnb.optim.AdamW8bit(model.parameters(), lr=...)",
+}
+
+
+def _optimizer_facts(optimizer: Any, base: Options, changes: list[str], numerics: list[str], code: list[str],
+                     trade: list[str]) -> None:
+    """What another optimizer changes: 8-bit AdamW keeps AdamW's update and hyper-parameters and stores its moments in
+    8 bits; the others change the update."""
+    name = optimizer_name(optimizer)
+    code.append(_OPTIMIZER_CODE.get(str(optimizer), str(optimizer)))
+    if name == "adamw8bit":
+        changes.append("8-bit AdamW (bitsandbytes)")
+        numerics.append("AdamW's moments quantized to 8 bits, block-wise (an fp32 scale per 256 values; tensors under "
+                        "4,096 elements keep 32-bit moments): about 2 instead of 8 bytes a parameter, close to 32-bit "
+                        "AdamW in quality for most fine-tuning")
+        trade.append("needs bitsandbytes and a CUDA GPU; its fused update reads and writes the moments in 8 bits "
+                     "(timed as one pass over the parameter, its gradient and the 8-bit moments)")
+        return
+    changes.append(name)
+    numerics.append(f"{name} instead of {optimizer_name(base.optimizer)}")
+    trade.append("another optimizer: its learning rate and schedule need tuning again")
+
+
+def _fsdp2_code(c: Choice) -> str:
+    """``fully_shard`` with FSDP2's mixed-precision policy."""
+    dtype = "torch.bfloat16" if c.param_dtype == torch.bfloat16 else "torch.float16"
+    return ("from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n"
+            f"mp = MixedPrecisionPolicy(param_dtype={dtype}, reduce_dtype=torch.float32)\n"
+            "for block in blocks: fully_shard(block, mp_policy=mp)\nfully_shard(model, mp_policy=mp)")
 
 
 def model_parallel_facts(c: Choice, gpus: int) -> tuple[list[str], list[str], list[str], list[str]]:

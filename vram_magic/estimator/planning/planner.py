@@ -3,8 +3,9 @@ predicted step time.
 
 It searches only changes that keep the training's math — micro-batch × accumulation at the same global batch,
 activation checkpointing (none, every block, every second block), ZeRO-1/2/3 or FSDP over the GPUs, the optimizer's
-state on the host — plus mixed precision (bf16 autocast, or fp16 with loss scaling where the GPU has no bf16), which
-its rows mark as changing the numerics; LoRA and QLoRA, another optimizer and a smaller global batch only when
+state on the host — plus mixed precision (bf16 autocast, or fp16 with loss scaling where the GPU has no bf16; with FSDP
+also FSDP2's ``MixedPrecisionPolicy``, bf16 all-gathers of fp32 shards, traced as one FSDP2 rank), which its rows mark
+as changing the numerics; LoRA and QLoRA, another optimizer and a smaller global batch only when
 ``allow`` names them.
 
 Screen, then exact: each *trace class* (what changes the fake run: checkpointing, precision, adapters, the optimizer,
@@ -35,11 +36,13 @@ from ..timing.cost import OpTimes, StepTime
 from ..timing.step_time import Network, micro_ops, network_for, rates_for, scaled_micro_ops, step_time
 from ..tracing.errors import EstimateError
 from .choices import Choice, describe
+from .recipes import lever_choices, lever_kwargs
 from .result import Plan, PlanRow, Scored
 
 #: what ``allow=`` may name: LoRA/QLoRA (changes what is trained), weight quantization (with LoRA), another
-#: optimizer, a smaller global batch, tensor and pipeline parallelism over the GPUs
-ALLOWED = ("lora", "quantize", "optimizer", "batch", "parallel")
+#: optimizer, a smaller global batch, tensor and pipeline parallelism over the GPUs, the recipes' levers even when a
+#: classic combination fits (recipes.py; without it they are searched only when none does)
+ALLOWED = ("lora", "quantize", "optimizer", "batch", "parallel", "recipes")
 #: a combination the model cannot run (no tensor-parallel plan, no stages to split): never fits
 UNFIT = 1 << 62
 #: micro-batch sizes tried per trace class at most
@@ -109,7 +112,8 @@ class Planner:
         """The anchor of ``c``'s trace class: traced at one micro-batch of the whole per-rank batch."""
         key = c.trace_class()
         if key not in self.anchors:
-            whole = replace(c, micro=c.per_rank, accumulate=1, zero=None, offload=False)
+            # (an FSDP2 mixed-precision class is traced as one FSDP2 rank: its anchor keeps the sharding)
+            whole = replace(c, micro=c.per_rank, accumulate=1, zero=3 if c.param_dtype else None, offload=False)
             if c.pp > 1:  # a pipeline's anchor: as many micro-batches as stages, the largest they can be
                 whole = replace(whole, micro=c.per_rank // c.pp, accumulate=c.pp)
             self.say(f"tracing {describe(whole, self.base).name}")
@@ -129,7 +133,7 @@ class Planner:
         return self.screens[c]
 
     def _screen(self, c: Choice) -> tuple[int, StepTime]:
-        if c.tp > 1 or c.pp > 1:
+        if c.tp > 1 or c.pp > 1 or c.levers or c.param_dtype is not None:  # (FSDP2: DTensor refuses some ops)
             try:
                 a = self.anchor(c)
             except (ValueError, TypeError, EstimateError) as err:  # the model does not split this way
@@ -139,6 +143,10 @@ class Planner:
         share = c.micro / a.micro
         needed = a.needed - a.activations * (1 - share)
         opts = self.options(c)
+        if c.param_dtype is not None:  # the anchor is one FSDP2 rank: its states and buffers are the rank's already
+            needed += a.trace.grad_bytes if c.accumulate > 1 else 0  # the sharded gradients kept between micro-batches
+            needed -= a.trace.state_bytes if c.offload and opts.device == "cuda" else 0
+            return int(needed), step_time(self.scaled(c, a, share), opts, a.trace, self.net)
         layout = ZeroLayout.of(opts, a.trace)
         if c.accumulate > 1 and c.pp == 1:  # the gradients kept into the next micro-batch: a rank's shard with ZeRO-2/3
             needed += -(-a.trace.grad_bytes // layout.world) if layout.stage >= 2 else a.trace.grad_bytes
@@ -184,7 +192,7 @@ def choices(base: Options, per_rank: int, global_batch: int, gpus: int, allow: f
             adapters.append((16, "nf4"))
     optimizers: list[Any] = [None]
     if "optimizer" in allow and optimizer_name(base.optimizer).lower() in ("adam", "adamw"):
-        optimizers += ["sgd-momentum", "adafactor"]
+        optimizers += ["sgd-momentum", "adafactor"] + (["adamw8bit"] if base.device == "cuda" else [])
     batches = [global_batch] + ([global_batch // 2] if "batch" in allow and global_batch // 2 >= gpus
                                 and (global_batch // 2) % gpus == 0 else [])
     offloads = (False, True) if base.device == "cuda" else (False,)  # a CPU's optimizer state is on the host already
@@ -201,6 +209,10 @@ def choices(base: Options, per_rank: int, global_batch: int, gpus: int, allow: f
                         for opt in optimizers:
                             for zero, off in layouts:
                                 out.append(Choice(m, rank_batch // m, ck, zero, off, amp, lora, quant, opt, g))
+    # FSDP2's MixedPrecisionPolicy beside fp32 weights under autocast: each FSDP/ZeRO-3 row with autocast again, with
+    # the precision FSDP2's (bf16 all-gathers of fp32 shards, no autocast cache of the weights' casts)
+    out += [replace(c, amp=None, param_dtype=c.amp) for c in out if c.zero == 3 and c.amp is not None
+            and c.tp == 1 and c.pp == 1 and c.optimizer is None]
     return out
 
 
@@ -272,8 +284,39 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
                                   global_batch))
     blocks = len(first.trace.unit_param_bytes)
     space = choices(base, global_batch // gpus, global_batch, gpus, allowed, half, blocks)
+    levers = lever_space(base, global_batch // gpus, global_batch, gpus, allowed, half)
+    if "recipes" in allowed:
+        space, levers = space + levers, []
     planner.say(f"screening {len(space)} combinations")
-    return _rank(planner, space, top, tokens, request, t0)
+    result = _rank(planner, space, top, tokens, request, t0)
+    if levers and not any(r.fits for r in result.rows):
+        planner.say(f"nothing classic fits: screening {len(levers)} combinations with the recipes' levers")
+        result = _rank(planner, space + levers, top, tokens, request, t0)
+        result = replace(result, notes=(*result.notes, "nothing classic fits: the search added the recipes' levers "
+                                        "(optimizer in backward, the loss in chunks, op-level checkpointing, "
+                                        "activations on the host on CUDA), which keep the training's math"))
+    return result
+
+
+def lever_space(base: Options, per_rank: int, global_batch: int, gpus: int, allow: frozenset[str],
+                half: Any) -> list[Choice]:
+    """The combinations with the recipes' levers (``recipes.py``), on the classic search's axes: the layouts, the
+    precisions, and 8-bit AdamW where ``allow`` has ``"optimizer"`` (torchtune's single-GPU recipe pairs it with an
+    optimizer in backward)."""
+    precisions: list[Any] = [None] if base.dtype in (torch.bfloat16, torch.float16) else [None, half]
+    optimizers: list[Any] = [None]
+    if "optimizer" in allow and base.device == "cuda" and optimizer_name(base.optimizer).lower() in ("adam", "adamw"):
+        optimizers.append("adamw8bit")
+    offloads = (False, True) if base.device == "cuda" else (False,)
+    layouts: list[tuple[int | None, bool]] = [(None, o) for o in offloads]
+    if gpus > 1:
+        layouts += [(z, o) for z in (1, 2, 3) for o in offloads]
+
+    def make(micro: int, acc: int, ck: Any, zero: Any, off: bool, amp: Any, opt: Any,
+             levers: tuple[str, ...]) -> Choice:
+        return Choice(micro, acc, ck, zero, off, amp, base.lora, base.quantize, opt, global_batch, levers=levers)
+
+    return lever_choices(make, base, per_rank, layouts, precisions, optimizers, micro_sizes)
 
 
 def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request: Request, t0: float) -> Plan:
@@ -364,7 +407,19 @@ def _row(c: Choice, est: Any, t: StepTime, planner: Planner, tokens: int, reques
     return PlanRow(name=facts.name, options=_kwargs(c, planner), changes=facts.changes, peak=est.peak,
                    needed=est.needed, fits=est.fits, step_time=t.total,
                    throughput=per_second * (tokens or 1), time=t.as_dict(), micro_batch=c.micro,
-                   accumulate=c.accumulate, numerics=facts.numerics, code=facts.code, tradeoffs=facts.tradeoffs)
+                   accumulate=c.accumulate, numerics=facts.numerics, code=facts.code,
+                   tradeoffs=facts.tradeoffs + _host_pinned(est))
+
+
+def _host_pinned(est: Any) -> tuple[str, ...]:
+    """The pinned host memory a row's activations on the host hold (``estimate.host_pinned``), said."""
+    pinned = getattr(est, "host_pinned", 0)
+    if not pinned:
+        return ()
+    from ...core.units import format_bytes
+
+    return (f"{format_bytes(pinned)} of pinned host memory for the activations (the caching host allocator's blocks "
+            "at their peak)",)
 
 
 def _kwargs(c: Choice, planner: Planner) -> dict[str, Any]:
@@ -385,6 +440,8 @@ def _kwargs(c: Choice, planner: Planner) -> dict[str, Any]:
         out["world"] = planner.gpus
     if c.offload:
         out["offload"] = True
+    if c.param_dtype is not None:
+        out.update(param_dtype=short_dtype(c.param_dtype), reduce_dtype="fp32")
     if c.tp > 1:
         out["tp"] = c.tp
     if c.pp > 1:  # the pipeline's micro-batches, not accumulation
@@ -394,6 +451,7 @@ def _kwargs(c: Choice, planner: Planner) -> dict[str, Any]:
         out["lora"] = c.lora
     if c.quantize:
         out["quantize"] = c.quantize
+    out.update(lever_kwargs(c.levers, c.checkpointing))
     if target.gpu is not None:
         out["gpu"] = target.gpu.name
     elif target.budget is not None:

@@ -2,6 +2,6 @@
 
 * ``planner.py`` — a training step's plan; ``generate_planner.py`` — a ``generate()`` call's;
 * ``choices.py`` — one combination of strategies and what it means for the user;
-* ``result.py`` — :class:`~vram_magic.estimator.plan.result.Plan` and its rows; ``render.py`` and ``figure.py`` —
+* ``result.py`` — :class:`~vram_magic.estimator.planning.result.Plan` and its rows; ``render.py`` and ``figure.py`` —
   its text, HTML and picture.
 """
