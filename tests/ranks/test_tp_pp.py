@@ -89,7 +89,10 @@ def mlp_figures(t: int) -> dict[str, dict[str, int]]:
         # the GEMM's contiguous copy of the loss's expanded gradient (b × 256)
         "peak_activations": {"forward intermediates": blocks * 2 * b * h * F32,
                              "tensor-parallel all-reduce output (saved for backward)": (blocks - 1) * b * w * F32,
-                             "activation gradients (backward)": b * h * F32},
+                             "activation gradients (backward)": b * h * F32,
+                             # the loss out.sum() and the ones backward starts from, made between the forward and
+                             # the backward outside any module: one fp32 scalar each
+                             "loss (outside modules)": 2 * F32},
         "peak_gradients": {"sharded gradients": w * h * F32},
         # the step's output (the last block's all-reduced output, which the step keeps until it returns)
         "peak_other": {"x": b * w * F32, "tensor-parallel all-reduce buffers": b * w * F32,
