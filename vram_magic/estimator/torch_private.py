@@ -144,14 +144,20 @@ def register_group(name: str, rank: int, size: int) -> Any:
     read or changed. ``torch._C._distributed_c10d._register_process_group`` / ``_unregister_process_group`` checked
     on torch 2.13, 2.15."""
     import torch.distributed as dist
+
+    return _registered(name, dist.ProcessGroup(dist.HashStore(), rank, size))
+
+
+def _registered(name: str, group: Any) -> Any:
+    """``group`` registered in c10d's group table under ``name``; a function that unregisters it (the table holds
+    it weakly: the closure keeps it until then)."""
     from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
 
-    group = dist.ProcessGroup(dist.HashStore(), rank, size)
-    _register_process_group(name, group)  # the table holds it weakly: kept by the closure until unregistered
+    _register_process_group(name, group)
+    kept = [group]
 
     def unregister() -> None:
-        nonlocal group
-        group = None
+        kept.clear()
         try:
             _unregister_process_group(name)
         except RuntimeError:
@@ -169,23 +175,13 @@ def register_fake_group(name: str, rank: int, size: int) -> Any:
     torch 2.13."""
     import torch
     import torch.distributed as dist
-    from torch._C._distributed_c10d import FakeProcessGroup, _register_process_group, _unregister_process_group
+    from torch._C._distributed_c10d import FakeProcessGroup
 
     group = dist.ProcessGroup(dist.HashStore(), rank, size)
     group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
     group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM,
                             FakeProcessGroup._create_internal(rank, size))
-    _register_process_group(name, group)
-
-    def unregister() -> None:
-        nonlocal group
-        group = None
-        try:
-            _unregister_process_group(name)
-        except RuntimeError:
-            pass
-
-    return unregister
+    return _registered(name, group)
 
 
 @contextlib.contextmanager
@@ -305,3 +301,15 @@ def function_modes() -> list[Any]:
 
     stack = getattr(torch.overrides, "_get_current_function_mode_stack", None)
     return list(stack()) if stack is not None else []
+
+
+def dtensor_from_local(local: Any, mesh: Any, placements: Any, shape: Any, stride: Any) -> Any:
+    """A ``DTensor`` around ``local`` (a shard already placed), of global ``shape`` and ``stride``, without
+    ``DTensor``'s sharding propagation or any collective: ``DTensor(local, DTensorSpec(mesh, placements,
+    tensor_meta=TensorMeta(shape, stride, local.dtype)), requires_grad=False)``
+    (``torch.distributed.tensor._dtensor_spec``; checked on torch 2.13)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(shape, stride, local.dtype)
+    return DTensor(local, DTensorSpec(mesh, placements, tensor_meta=meta), requires_grad=False)

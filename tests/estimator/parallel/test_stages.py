@@ -56,6 +56,9 @@ def test_stages_run_as_the_whole_model(arch: str, extra: dict) -> None:
         x = IDS
         for s in range(3):
             x = build_stage(model, plan, s)(x)
+    bad = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if not torch.isfinite(t).all()]
+    state = (bad, torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled())
+    assert not bad and torch.isfinite(whole).all(), state  # a leak of global state from an earlier test
     assert torch.equal(x, whole)
     last = build_stage(model, plan, 2)
     names = {n for n, _ in last.named_parameters()}

@@ -6,6 +6,7 @@ returns ``None`` (or an empty answer) for a process that is gone or cannot be re
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Mapping
 
@@ -33,11 +34,24 @@ def alive(pid: int) -> bool:
 
 
 def _read(path: str) -> str | None:
+    # os.read, not open(): a third of the time for the small files of /proc, read at every measured block's start
+    # and end
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
+    try:
+        chunks = []
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def status(pid: int | str = "self", root: str = _PROC) -> str | None:
@@ -200,20 +214,29 @@ def available(root: str = _PROC) -> int | None:
     return left
 
 
-def _cgroup_left(root: str) -> int | None:
+@functools.lru_cache(maxsize=8)
+def _cgroup_files(root: str) -> tuple[tuple[str, str], ...]:
+    """The (limit, usage) files of this process's memory cgroups, v2 and v1 (a process's cgroup stays for its
+    life: read once)."""
     text = _read(os.path.join(root, "self", "cgroup")) or ""
+    files = []
     for line in text.splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
         if parts[0] == "0" and parts[1] == "":  # cgroup v2
             base = os.path.join("/sys/fs/cgroup", parts[2].lstrip("/"))
-            limit, usage = _read(os.path.join(base, "memory.max")), _read(os.path.join(base, "memory.current"))
+            files.append((os.path.join(base, "memory.max"), os.path.join(base, "memory.current")))
         elif "memory" in parts[1].split(","):  # cgroup v1
             base = os.path.join("/sys/fs/cgroup/memory", parts[2].lstrip("/"))
-            limit = _read(os.path.join(base, "memory.limit_in_bytes"))
-            usage = _read(os.path.join(base, "memory.usage_in_bytes"))
-        else:
+            files.append((os.path.join(base, "memory.limit_in_bytes"), os.path.join(base, "memory.usage_in_bytes")))
+    return tuple(files)
+
+
+def _cgroup_left(root: str) -> int | None:
+    for limit_file, usage_file in _cgroup_files(root):
+        limit, usage = _read(limit_file), _read(usage_file)
+        if limit is None and usage is None:  # a hierarchy this system does not mount
             continue
         try:
             lim, used = int((limit or "").strip()), int((usage or "").strip())
