@@ -459,3 +459,47 @@ def test_an_exception_is_the_cells_own(shell, capsys):
     # a syntax error runs nothing, measures nothing
     result = run(shell, "%%vram -q -o r3\nx = (")
     assert isinstance(result.error_in_exec, SyntaxError) and "r3" not in shell.user_ns
+
+
+MOE = """%%vram -o r_moe_build
+import torch
+
+class MoE(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(64, 4, bias=False)  # the router: dense
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        w = self.gate(x).softmax(-1)
+        return sum(w[:, i:i + 1] * e(x) for i, e in enumerate(self.experts))
+
+model = torch.nn.Sequential(MoE(), torch.nn.Linear(64, 10))
+opt = torch.optim.AdamW(model.parameters())
+x = torch.randn(8, 64)
+"""
+
+
+def test_a_mixture_of_experts_shows_the_experts_share(shell):
+    """The routed experts' parameters, gradients and optimizer state apart from the dense ones ("of which experts"),
+    by hand: 4 experts of Linear(64, 64), a router Linear(64, 4) and a head Linear(64, 10), all float32."""
+    experts = 4 * (64 * 64 + 64) * F32  # 66,560
+    dense = (4 * 64 + 64 * 10 + 10) * F32
+    run_ok(shell, MOE)
+    build = shell.user_ns["r_moe_build"]
+    assert build.after.experts == {"parameters": experts, "gradients": 0, "optimizer_state": 0}
+    assert build.after.parameters == experts + dense
+    assert build.after.details("parameters") == {"model (experts)": experts, "model": dense}
+    run_ok(shell, "%%vram -o r_moe_step\nmodel(x).sum().backward()\nopt.step()")
+    step = shell.user_ns["r_moe_step"]
+    state = 2 * experts + 8 * F32  # AdamW's two moments, and a step counter for each of the 8 tensors
+    assert step.after.experts == {"parameters": experts, "gradients": experts, "optimizer_state": state}
+    assert step.experts == step.peak.experts == step.after.experts
+    assert step.after.gradients == experts + dense
+    assert step.after.optimizer_state == state + 2 * dense + 3 * F32
+    text = str(step)
+    assert "mixture of experts at the peak: parameters" in text and "of which experts 65.0 KiB" in text
+    assert "of which experts" in step._html()
+    run_ok(shell, "del model, opt")
+    run_ok(shell, "%%vram -o r_dense\ny = torch.nn.Linear(4, 4)(torch.randn(2, 4)).sum()")
+    assert "of which experts" not in str(shell.user_ns["r_dense"])

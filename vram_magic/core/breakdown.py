@@ -19,6 +19,10 @@ LABELS: dict[str, str] = {
 }
 #: categories that tables, legends and columns show only where some breakdown in view has them
 OPTIONAL: frozenset[str] = frozenset({"kv_cache"})
+#: the model states: what a mixture of experts splits into its routed experts' share and the dense rest
+MODEL_STATES: tuple[str, ...] = ("parameters", "gradients", "optimizer_state")
+#: the mark on a detail label of the routed experts of mixture-of-experts blocks (engine/scan/experts.py)
+EXPERTS = " (experts)"
 
 
 def shown_categories(*breakdowns: Mapping[str, int] | None) -> tuple[str, ...]:
@@ -64,6 +68,18 @@ class Breakdown(Mapping[str, int]):
         """Bytes of parameters that train: all of them less the rows named frozen (``requires_grad=False``, and
         quantized weights, which never train)."""
         return self.parameters - sum(n for c, label, n in self.detail if c == "parameters" and "(frozen" in label)
+
+    @property
+    def experts(self) -> dict[str, int]:
+        """Bytes of the routed experts of mixture-of-experts blocks (the detail rows marked :data:`EXPERTS`) in each of
+        parameters, gradients and optimizer state: ``{"parameters": …, "gradients": …, "optimizer_state": …}``,
+        zeros for a dense model. The rest of each category is the dense part (attention, embeddings, shared experts,
+        routers)."""
+        out = dict.fromkeys(MODEL_STATES, 0)
+        for cat, label, n in self.detail:
+            if cat in out and EXPERTS in label:
+                out[cat] += n
+        return out
 
     def details(self, category: str | None = None) -> dict[str, int]:
         """``{label: bytes}`` of the detail rows, optionally of one category only."""

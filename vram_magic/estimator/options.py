@@ -153,6 +153,7 @@ class Options:
     offload_activations: bool = False  # tensors saved for backward kept on the host (save_on_cpu, pinned)
     loss_chunks: int = 1  # the head and cross-entropy of a causal LM computed in N chunks of the hidden states
     checkpoint_ops: Any = None  # op-level selective checkpointing of each block: "ops" (torchtitan's) or a policy
+    moe_imbalance: float = 1.0  # the busiest MoE expert's tokens over its balanced share (tracing/routing.py)
 
     @property
     def dp(self) -> int:
@@ -291,6 +292,7 @@ def make_options(
     offload_activations: bool = False,
     loss_chunks: Any = None,
     cp: int = 1,
+    moe_imbalance: Any = 1.0,
 ) -> Options:
     """Check every option; raise ``ValueError``/``TypeError`` naming what is accepted."""
     recipe = parse_recipe(step, keep_output, optimizer_in_backward, offload_activations, loss_chunks, checkpointing,
@@ -355,7 +357,20 @@ def make_options(
         checkpointing=parse_checkpointing(checkpointing),
         accumulate=accumulate, zero=zero, world=world, offload=bool(offload), **fsdp2,
         device="cuda" if str(device).startswith("cuda") else "cpu", steps=steps, **parallel, **recipe,
+        moe_imbalance=parse_moe_imbalance(moe_imbalance),
     )
+
+
+def parse_moe_imbalance(value: Any) -> float:
+    """The busiest MoE expert's tokens over its balanced share: a number ≥ 1 (``ValueError`` otherwise)."""
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        factor = float("nan")
+    if isinstance(value, bool) or not factor >= 1 or factor == float("inf"):
+        raise ValueError(f"moe_imbalance must be a number ≥ 1 (the busiest expert's tokens over its balanced share of "
+                         f"tokens × top-k / experts; 1 is balanced routing), not {value!r}")
+    return factor
 
 
 def parse_recipe(step: Any, keep_output: Any, in_backward: Any, offload_activations: Any, loss_chunks: Any,

@@ -34,6 +34,14 @@ class Strategy:
     steps: float  # sequential steps per optimizer update relative to the baseline
     fits: bool | None
     note: str = ""
+    partial: bool = False  # the row's step stopped early: its peak and needed are lower bounds
+
+
+def fits_of(fits: bool | None, partial: bool) -> bool | None:
+    """Whether a step fits, said as far as it is known: a partial estimate (the fake run stopped at an op it cannot
+    run) counts only what ran before the stop, so its ``needed`` is a lower bound: ``False`` when that already exceeds
+    the capacity, else ``None`` (not known, never a plain ``True``). A complete estimate's ``fits`` as it is."""
+    return None if partial and fits else fits
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,10 @@ class Estimate(Rendered):
     ``needed`` is what the device must have: on CUDA the allocator's reserved memory at the peak plus the
     CUDA context; on the CPU the peak itself. ``fits`` compares it with ``capacity`` (a GPU's memory or a
     budget), ``None`` when neither was given. ``flops`` counts the workload's FLOPs by phase.
+
+    ``partial``: the fake run stopped before the step's end (an op whose output depends on values fake tensors do not
+    have; ``problem`` names it): ``peak`` and ``needed`` count what ran before it, lower bounds, and ``fits`` is
+    ``False`` when even that exceeds the capacity, else ``None`` (:func:`fits_of`).
     """
 
     model: str
@@ -126,6 +138,12 @@ class Estimate(Rendered):
     @property
     def total_flops(self) -> int:
         return sum(self.flops.values())
+
+    @property
+    def experts(self) -> dict[str, int]:
+        """A mixture of experts' routed experts at the peak: bytes of their parameters, gradients and optimizer state
+        (``peak.experts``; zeros for a dense model)."""
+        return self.peak.experts
 
     @property
     def traced(self) -> int:

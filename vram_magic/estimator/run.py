@@ -23,7 +23,7 @@ def run_estimate(model: Any, inputs: Any, *, optimizer: Any, loss_fn: Any, dtype
                  progress: Callable[[str], None] | None, generate: Any, cache_implementation: Any, num_beams: int,
                  tp: int, pp: Any, micro_batches: Any, schedule: str, parallelize_plan: Any, step: Any = None,
                  keep_output: Any = None, optimizer_in_backward: bool = False, offload_activations: bool = False,
-                 loss_chunks: Any = None, cp: int = 1) -> Estimate:
+                 loss_chunks: Any = None, cp: int = 1, moe_imbalance: Any = 1.0) -> Estimate:
     """:func:`vram_magic.estimate`, its arguments as it takes them."""
     recipe = dict(step=step, keep_output=keep_output, optimizer_in_backward=optimizer_in_backward,
                   offload_activations=offload_activations, loss_chunks=loss_chunks)
@@ -32,7 +32,7 @@ def run_estimate(model: Any, inputs: Any, *, optimizer: Any, loss_fn: Any, dtype
                          "loss_fn)")
     if generate is not None or cache_implementation is not None or num_beams != 1:
         opts = generate_options(generate, cache_implementation, num_beams, dict(
-            dtype=dtype, amp=amp, device=device, quantize=quantize), dict(
+            dtype=dtype, amp=amp, device=device, quantize=quantize, moe_imbalance=moe_imbalance), dict(
             checkpointing=checkpointing, accumulate=accumulate, zero=zero, fsdp=fsdp, world=world, offload=offload,
             param_dtype=param_dtype, reduce_dtype=reduce_dtype, float8=float8,
             lora=lora, master_weights=master_weights, loss_fn=loss_fn, tp=tp, pp=pp, micro_batches=micro_batches,
@@ -43,7 +43,8 @@ def run_estimate(model: Any, inputs: Any, *, optimizer: Any, loss_fn: Any, dtype
                             zero=zero, fsdp=fsdp, world=world, offload=offload, device=device, steps=steps,
                             param_dtype=param_dtype, reduce_dtype=reduce_dtype, float8=float8,
                             quantize=quantize, lora=lora, tp=tp, pp=pp, micro_batches=micro_batches,
-                            schedule=schedule, parallelize_plan=parallelize_plan, cp=cp, **recipe)
+                            schedule=schedule, parallelize_plan=parallelize_plan, cp=cp, moe_imbalance=moe_imbalance,
+                            **recipe)
     if batch is not None:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be a whole number ≥ 1 (the inputs' new dimension 0), not {batch!r}")

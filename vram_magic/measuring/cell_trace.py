@@ -118,6 +118,8 @@ def block_trace(device: str, source: StorageCounts | ReplayedBlock, scans: tuple
             role = roles.get(serial)
             if role is not None:
                 label = role[1]
+                if isinstance(label, tuple):  # a routed expert's gradient or state: (id(optimizer), the mark)
+                    label = optimizers.get(label[0], "optimizer") + label[1]
                 cat = (role[0], optimizers.get(label, "optimizer") if isinstance(label, int) else label)
             elif unscoped and phase == FORWARD:
                 cat = UNSCOPED

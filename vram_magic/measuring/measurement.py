@@ -186,6 +186,7 @@ class Measurement:
                 self._tracker = Tracker(self.registry, self.device, budget=self.budget,
                                         record_sites=self.record_sites, initial=initial,
                                         grouped=(counted.start_serial, counted.bytes))
+                self._tracker.hooks.experts = scan.expert_params  # MoE experts' gradients and state keep their mark
                 if self.device == "cpu" and "profile" not in self.source:
                     # kernel scratch (engine/profiler/kernel_scratch.py); a cell that may start PyTorch's profiler
                     # keeps it to itself

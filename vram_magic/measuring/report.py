@@ -83,6 +83,12 @@ class CellReport(Rendered):
     def total(self) -> int:
         return self.after.total
 
+    @property
+    def experts(self) -> dict[str, int]:
+        """A mixture of experts' routed experts at the cell's peak: bytes of their parameters, gradients and optimizer
+        state (``peak.experts``; zeros for a dense model)."""
+        return self.peak.experts
+
     def timeline(self, top: int = 3) -> Figure:
         """Memory over the cell's allocation events, stacked by category, as a matplotlib ``Figure``."""
         from .render.timeline import timeline_figure

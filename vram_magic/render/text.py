@@ -47,3 +47,11 @@ def legend(categories: tuple[str, ...] | None = None) -> str:
     """The letters of the text bars; by default the categories every report has (not the KV cache)."""
     shown = categories if categories is not None else shown_categories()
     return "  " + "  ".join(f"{LETTERS[c]} {LABELS[c]}" for c in shown)
+
+
+def experts_line(b: Breakdown) -> str:
+    """``parameters 1.20 GiB, of which experts 921 MiB; gradients …; optimizer state …``: a mixture of experts' model
+    states with the routed experts' share (``Breakdown.experts``), "" for a dense model."""
+    experts = b.experts
+    parts = [f"{LABELS[c]} {format_bytes(b[c])}, of which experts {format_bytes(n)}" for c, n in experts.items() if n]
+    return "; ".join(parts)

@@ -25,6 +25,7 @@ from ..hooks.quantized import packed_info
 from ..tensors import grad, grad_fn, storage_parts
 from .autograd_graph import saved_tensors
 from .containers import Found
+from .experts import marked
 from .registry import LiveStorages
 from .walk import MAX_NOTES, NamespaceWalk
 
@@ -56,6 +57,7 @@ class Scan:
     # at C speed are claimed by its name in `owner` only)
     holders: dict[int, str] = field(default_factory=dict)
     module_names: dict[int, str] = field(default_factory=dict)  # id(module) -> "model.layers.3.mlp"
+    expert_params: set[int] = field(default_factory=set)  # id() of the MoE blocks' routed experts' parameters
     optimizer_names: dict[int, str] = field(default_factory=dict)  # id(optimizer) -> "opt"
     notes: list[str] = field(default_factory=list)  # what could not be read, or was left out
 
@@ -91,6 +93,7 @@ class Claims:
         self.walk = walk
         self.scan = Scan()
         self.frozen = False  # a frozen (or quantized) parameter was claimed: the notes say how much trains
+        self.expert_grads: set[int] = set()  # id() of the gradients of the routed experts' parameters
 
     def claim(self, t: Any, category: str, label: str, holder: str | None = None, frozen: bool = False) -> int | None:
         key = None
@@ -139,19 +142,21 @@ class Claims:
             owner.update(dict.fromkeys(mine.keys() - owner.keys(), owner_of))
 
     def _claim_all(self, items: Iterable[tuple[Any, str]], category: str, prefix: str = "",
-                   grads: list[tuple[Any, str]] | None = None) -> None:
+                   grads: list[tuple[Any, str]] | None = None, experts: set[int] | None = None) -> None:
         """``claim`` for many ``(tensor, holder)`` pairs (the scan's hot loop: parameters of big models).
-        ``grads``: collects the ``.grad`` of each tensor on the way."""
+        ``grads``: collects the ``.grad`` of each tensor on the way; ``experts``: ``id()`` of the tensors that are the
+        routed experts' (their labels marked, experts.py; the gradients of those go to ``expert_grads``)."""
         reg_get, reg_add = self.registry.get, self.registry.add
         owner, holders = self.scan.owner, self.scan.holders
         labels: dict[str, tuple[str, str]] = {}
         plain = torch.Tensor
         param = torch.nn.Parameter
         parameters = category == "parameters"  # frozen ones (requires_grad=False) are named so
-        for t, name in items:
+        for t, holder in items:
             cls = type(t)
+            name = marked(holder) if experts and id(t) in experts else holder
             if parameters and ((not t.requires_grad) if cls is plain or cls is param else _frozen(t)):
-                self.claim(t, category, prefix + name, name, frozen=True)
+                self.claim(t, category, prefix + name, holder, frozen=True)
             elif cls is plain or cls is param:
                 try:
                     storage = t.untyped_storage()
@@ -165,13 +170,15 @@ class Claims:
                     if label is None:
                         label = labels[name] = (category, prefix + name)
                     owner[key] = label
-                    holders[key] = name
+                    holders[key] = holder
             else:  # a subclass: its parts, guarded
-                self.claim(t, category, prefix + name, name)
+                self.claim(t, category, prefix + name, holder)
             if grads is not None:
                 g = t.grad if cls is plain or cls is param else grad(t)
                 if g is not None:
-                    grads.append((g, name))
+                    grads.append((g, holder))
+                    if name is not holder:
+                        self.expert_grads.add(id(g))
 
     def assign(self) -> Scan:
         names = self.scan.module_names
@@ -199,9 +206,11 @@ class Claims:
             except Exception as err:
                 self.walk.unread(f"the packed weights of {name}", err)
         grads: list[tuple[Any, str]] = []
-        self._claim_all(params, "parameters", grads=grads)
-        self._claim_all(grads, "gradients")
+        experts = self.scan.expert_params = self.walk.expert_params
+        self._claim_all(params, "parameters", grads=grads, experts=experts)
+        self._claim_all(grads, "gradients", experts=self.expert_grads)
         state_tensors: list[tuple[Any, str]] = []
+        expert_state: set[int] = set()  # id() of the routed experts' state tensors
         for name, opt in self.walk.optimizers:
             try:
                 states = [(opt.state, name)]
@@ -213,12 +222,15 @@ class Claims:
                 if isinstance(books, Mapping):
                     state_tensors.extend((v, name) for v in books.values() if isinstance(v, torch.Tensor))
                 for states_of, label in states:
-                    for state in states_of.values():
+                    for p, state in states_of.items():
                         if isinstance(state, Mapping):
-                            state_tensors.extend((v, label) for v in state.values() if isinstance(v, torch.Tensor))
+                            tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+                            state_tensors.extend((v, label) for v in tensors)
+                            if experts and id(p) in experts:
+                                expert_state.update(map(id, tensors))
             except Exception as err:
                 self.walk.unread(f"{name}.state", err)
-        self._claim_all(state_tensors, "optimizer_state")
+        self._claim_all(state_tensors, "optimizer_state", experts=expert_state)
         graphs = self._claim_kv_caches()
         self._claim_all(buffers, "other", "buffers of ")
         for name, holder in self.walk.pipelines or ():  # a stage's own tensors, before its attributes' and the graphs'

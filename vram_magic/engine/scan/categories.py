@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ...core.breakdown import EXPERTS
 from ..phases import KV_MADE, LIVE_PHASE_CATEGORY, PHASE_CATEGORY, TRACKED, Phase
 
 UNATTRIBUTED = ("other", "unattributed")
@@ -55,7 +56,9 @@ def kv_cache_sites(allocs: Mapping[int, tuple[Any, ...]], alive: Mapping[int, in
 
 
 def holder_name(label: str) -> str:
-    """The variable behind a detail label (``graph held by loss`` → ``loss``); "" for labels that name none."""
+    """The variable behind a detail label (``graph held by loss`` → ``loss``, ``model (experts)`` → ``model``); ""
+    for labels that name none."""
+    label = label.removesuffix(EXPERTS)
     if label in _NOT_VARIABLES or label.startswith(("buffers of ", "output cache ", "held by the graph of ",
                                                     "gradients (", "allocator")):
         return ""

@@ -21,6 +21,8 @@ from ..hooks import pipeline
 from ..hooks.kv_cache import CACHE_NAME_ENDINGS, is_kv_cache
 from ..hooks.quantized import packed_objects
 from .containers import KV_CACHE, MAPPING, MODULE, OPTIMIZER, SCALARS, SEQUENCE, SKIP, TENSOR, FastReader, object_kind
+from .experts import NAME as EXPERTS_NAME
+from .experts import is_experts
 from .registry import LiveStorages
 
 _IPYTHON_NAMES = frozenset(
@@ -51,6 +53,7 @@ class NamespaceWalk:
         self.skipped: dict[str, int] = {}  # container name -> items left out by the object bound
         self.fsdp: dict[int, tuple[str, Any]] = {}  # id(FSDP state) -> (module name, state)
         self.packed: list[tuple[Any, str]] = []  # (packed quantized weights of a torch.ao module, holder)
+        self.expert_params: set[int] = set()  # id() of the parameters of MoE blocks' routed experts (experts.py)
         # no FSDP module can exist before FSDP2 is imported: looked up once a scan, not once a module
         self.fsdp_loaded = any(path in sys.modules for path in _FSDP)
         # (name, a pipeline stage or schedule): what the stages hold beside their modules (engine/hooks/pipeline.py)
@@ -169,8 +172,14 @@ class NamespaceWalk:
         # straight from each submodule's dicts: much cheaper than parameters()/buffers() generators
         subs = m.named_modules(prefix=name) if m._modules else ((name, m),)
         fsdp = self.fsdp_loaded
+        experts = ""  # the path of the experts module the walk is in (experts.py), with a dot
         for subname, sub in subs:
             names.setdefault(id(sub), subname)
+            if experts and not subname.startswith(experts):
+                experts = ""
+            if not experts and subname.endswith(EXPERTS_NAME) and is_experts(subname, sub):
+                experts = subname + "."
+                self.expert_params.update(id(p) for p in sub.parameters())
             if fsdp:
                 get_state = getattr(type(sub), "_get_fsdp_state", None)
                 if get_state is not None:

@@ -76,7 +76,7 @@ class StorageCounts:
         self.allocs: dict[int, tuple[int, int, tuple[Any, ...], int]] = {}
         self.oom: dict[str, Any] | None = None
         # serial -> (category, id of the optimizer) for storages whose role the optimizer step revealed
-        self.roles: dict[int, tuple[str, int]] = {}
+        self.roles: dict[int, tuple[str, Any]] = {}
         # live bytes allocated during the block, per phase (what a live view reads from another thread), the
         # bytes of the storages alive at the start that were freed since, and the phase of the last allocation
         self.phase_bytes = [0] * len(PHASE_NAMES)

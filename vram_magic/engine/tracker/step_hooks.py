@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ...core.breakdown import EXPERTS
 from ..tensors import is_wrapper, storage_parts
 from ..torch_private import current_autograd_node as _current_node
 from .frames import is_user_code, user_site
@@ -37,6 +38,9 @@ class StepHooks:
                  on_root_forward: Any, ddp: Any) -> None:
         self.now, self.roles, self.lookup, self.ddp = now, roles, lookup, ddp
         self.record_sites, self.observer, self.on_root_forward = record_sites, observer, on_root_forward
+        # id() of the parameters of MoE blocks' routed experts (engine/scan/experts.py; the scan before the block
+        # finds them): their gradients and state keep the mark in their roles
+        self.experts: set[int] = set()
 
     def install(self) -> list[Any]:
         """PyTorch's global optimizer-step and module-forward hooks, to this tracker: their handles."""
@@ -59,8 +63,16 @@ class StepHooks:
             now.site = user_site(sys._getframe(1))
         # The parameters and the gradients the step reads: remembered as such even if they are freed before the
         # end of the block (zero_grad; a rank's function that returns before its measurement ends).
+        experts = self.experts
         for group in optimizer.param_groups:
             params = group.get("params", ())
+            if experts:
+                routed = [p for p in params if id(p) in experts]
+                if routed:
+                    params = [p for p in params if id(p) not in experts]
+                    self._note_roles(routed, "parameters", optimizer, True)
+                    self._note_roles([g for g in (p.grad for p in routed) if g is not None], "gradients", optimizer,
+                                     True)
             self._note_roles(params, "parameters", optimizer)
             self._note_roles([g for g in (p.grad for p in params) if g is not None], "gradients", optimizer)
 
@@ -69,13 +81,20 @@ class StepHooks:
         now.optimizer_depth = max(now.optimizer_depth - 1, 0)
         if not now.optimizer_depth:
             now.site = None
-        state = [v for s in optimizer.state.values() if isinstance(s, dict) for v in s.values()
-                 if isinstance(v, torch.Tensor)]
+        experts = self.experts
+        state = [v for p, s in optimizer.state.items() if isinstance(s, dict) and not (experts and id(p) in experts)
+                 for v in s.values() if isinstance(v, torch.Tensor)]
         self._note_roles(state, "optimizer_state", optimizer)
+        if experts:
+            routed = [v for p, s in optimizer.state.items() if isinstance(s, dict) and id(p) in experts
+                      for v in s.values() if isinstance(v, torch.Tensor)]
+            self._note_roles(routed, "optimizer_state", optimizer, True)
 
-    def _note_roles(self, tensors: Any, category: str, owner: Any) -> None:
-        """:meth:`_note_role` of each tensor, plain tensors inline (an optimizer step over many parameters)."""
-        lookup, roles, label = self.lookup, self.roles, (category, id(owner))
+    def _note_roles(self, tensors: Any, category: str, owner: Any, experts: bool = False) -> None:
+        """:meth:`_note_role` of each tensor, plain tensors inline (an optimizer step over many parameters);
+        ``experts``: they are the routed experts' (the role's label is then ``(id(owner), EXPERTS)``)."""
+        lookup, roles = self.lookup, self.roles
+        label = (category, (id(owner), EXPERTS) if experts else id(owner))
         for t in tensors:
             cls = type(t)
             if cls is not _Tensor and cls is not _Parameter:

@@ -73,6 +73,9 @@ OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
                                   "(save_on_cpu(pin_memory=True))"}),
     (("--loss-chunks",), {"type": int, "metavar": "N", "help": "a causal LM's head and cross-entropy computed in N "
                           "chunks of the hidden states (torchtune's chunked loss)"}),
+    (("--moe-imbalance",), {"type": float, "metavar": "F", "help": "mixture of experts: the busiest expert takes F "
+                            "times its balanced share of tokens × top-k / experts (the worst case; default 1: "
+                            "balanced)"}),
     (("--gpu",), {"help": "a GPU from the catalogue, e.g. A100-80GB, RTX-4090, T4"}),
     (("--budget",), {"metavar": "SIZE", "help": "device memory to fit into, e.g. 24GiB"}),
     (("--alloc-conf",), {"metavar": "SETTINGS", "help": "the CUDA caching allocator's settings, as "
@@ -243,7 +246,7 @@ def build(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
 
 def recipe_options(args: Any, ns: dict[str, Any]) -> dict[str, Any]:
     """The recipes' options from parsed ones (only those given): ``step``, ``keep_output``, ``optimizer_in_backward``,
-    ``offload_activations``, ``loss_chunks``, and ``checkpointing`` as a policy's name."""
+    ``offload_activations``, ``loss_chunks``, ``moe_imbalance``, and ``checkpointing`` as a policy's name."""
     out: dict[str, Any] = {}
     if getattr(args, "step", None):
         out["step"] = evaluate(args.step, ns, "--step")
@@ -258,6 +261,8 @@ def recipe_options(args: Any, ns: dict[str, Any]) -> dict[str, Any]:
             out[flag] = True
     if getattr(args, "loss_chunks", None) is not None:
         out["loss_chunks"] = args.loss_chunks
+    if getattr(args, "moe_imbalance", None) is not None:
+        out["moe_imbalance"] = args.moe_imbalance
     checkpointing = getattr(args, "checkpointing", False)
     if isinstance(checkpointing, str):
         text = unquote(checkpointing)

@@ -2,7 +2,9 @@
 
 The same options as ``%vram_estimate`` (one list, ``arguments.OPTIONS``), read the same way: MODEL,
 ``--input``, ``--loss`` and ``--optimizer`` take ``module:attribute`` or an expression using ``torch``.
-Exit status: 0 when the step fits (or no capacity was given), 1 when it does not, 2 on bad input.
+Exit status: 0 when the step fits (or no capacity was given), 1 when it does not, 2 on bad input, 3 when the
+estimate is partial (the fake run stopped at an op it cannot run: what it needs is a lower bound, and whether it fits
+is not known; 1 when even that lower bound does not fit).
 """
 
 from __future__ import annotations
@@ -67,7 +69,12 @@ def main(argv: list[str]) -> int:
         return "max-seq: trying " if args.max_seq and not args.max_batch else "max-batch: trying "
 
     return run_command("estimate", parser().parse_args(argv), build_call, searching, _as_json,
-                       lambda est: 1 if est.fits is False else 0)
+                       exit_status)
+
+
+def exit_status(est: Any) -> int:
+    """0: fits (or no capacity given); 1: does not fit; 3: partial, not known to fit (its figure a lower bound)."""
+    return 1 if est.fits is False else 3 if est.partial else 0
 
 
 def _as_json(est: Any) -> dict[str, Any]:
@@ -75,6 +82,7 @@ def _as_json(est: Any) -> dict[str, Any]:
     longest sequence; a generate() call's facts and longest prompt)."""
     import dataclasses
 
+    from ..render.common import verdict
     from ..result import GenerateEstimate
 
     out: dict[str, Any] = {
@@ -82,8 +90,10 @@ def _as_json(est: Any) -> dict[str, Any]:
         "after_forward": est.after_forward.as_dict(), "capacity": est.capacity, "fits": est.fits,
         "notes": list(est.notes), "max_batch": est.max_batch,
         "flops": dict(est.flops), "partial": est.partial, "problem": est.problem,
-        "what_if": [{"strategy": s.name, "peak": s.peak, "needed": s.needed, "compute": s.compute}
-                    for s in est.strategies],
+        # the verdict as the report says it: a partial estimate's is "at least … needed (partial …)", never "fits"
+        "verdict": verdict(est),
+        "what_if": [{"strategy": s.name, "peak": s.peak, "needed": s.needed, "compute": s.compute, "fits": s.fits,
+                     "partial": s.partial} for s in est.strategies],
     }
     if isinstance(est, GenerateEstimate):
         out.update(generation=dataclasses.asdict(est.generation), max_prompt=est.max_prompt)

@@ -277,31 +277,55 @@ _INITS = ("uniform_", "normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_
           "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "orthogonal_", "sparse_")
 
 
+#: how many ``init_skipped`` blocks are open now: the skipping initialisers skip only while one is
+_SKIPPING = [0]
+
+
+def _skipping(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (an initialiser), returning its tensor untouched while :func:`init_skipped` is open and running
+    as itself outside it."""
+    def init(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if _SKIPPING[0]:
+            return tensor
+        return original(tensor, *args, **kwargs)
+
+    init.__wrapped__ = original  # type: ignore[attr-defined]
+    init.__name__ = getattr(original, "__name__", "init")
+    init.__doc__ = getattr(original, "__doc__", None)
+    init._vram_magic_skipping = True  # type: ignore[attr-defined]
+    return init
+
+
 @contextlib.contextmanager
 def init_skipped() -> Any:
     """While a builder builds on fake tensors: weight initialisers return their tensor untouched. Initial values
     are no memory, and ``trunc_normal_`` reads its random draws (``if not mask.any()`` in its rejection loop), which
     fake tensors do not have (ViT, DeiT, ModernBERT). Patched where models call them: ``torch.nn.init``, the
     ``torch.nn.modules`` that import them by name, and transformers' wrappers (``transformers.initialization``, as
-    its own ``no_init_weights`` does; its ``init_weights`` still runs, so tied weights are tied)."""
+    its own ``no_init_weights`` does; its ``init_weights`` still runs, so tied weights are tied).
+
+    What a module takes from ``torch.nn.init`` while the block is open keeps the stand-in after it: transformers'
+    ``initialization`` (imported by the builder's first transformers model) records ``torch.nn.init``'s functions
+    at its import in ``TORCH_INIT_FUNCTIONS`` and calls those ever after, and ``from torch.nn.init import
+    trunc_normal_`` does the same. So the stand-ins skip only while a block is open and are the original
+    initialisers otherwise: a model built for real later is initialised as it would be without the estimator."""
     import sys
 
     names = ["torch.nn.init", "transformers.initialization"]
     names += [n for n in list(sys.modules) if n.startswith("torch.nn.modules.")]
     saved: list[tuple[Any, str, Any]] = []
-
-    def skip(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        return tensor
-
+    _SKIPPING[0] += 1
     try:
         for name in names:
             module = sys.modules.get(name)
             for fn in _INITS:
-                if module is not None and callable(getattr(module, fn, None)):
-                    saved.append((module, fn, getattr(module, fn)))
-                    setattr(module, fn, skip)
+                current = getattr(module, fn, None) if module is not None else None
+                if callable(current) and not getattr(current, "_vram_magic_skipping", False):
+                    saved.append((module, fn, current))
+                    setattr(module, fn, _skipping(current))
         yield
     finally:
+        _SKIPPING[0] -= 1
         for module, fn, original in reversed(saved):
             setattr(module, fn, original)
 

@@ -62,21 +62,37 @@ def fake_run() -> Iterator[Any]:
 @contextlib.contextmanager
 def not_tracing() -> Iterator[None]:
     """While the step runs: fake tensors with known values are not *tracing* for transformers (entered after
-    the model is built, so a builder that imports transformers itself is covered)."""
+    the model is built, so a builder that imports transformers itself is covered), and a 0-d one formats as its value,
+    as a real one does (``f"expert_{idx}"``: Switch Transformers names its experts so; ``Tensor.__format__`` reads the
+    value of plain tensors only)."""
+    from ..torch_private import FakeTensor
+
     utils = sys.modules.get("transformers.utils.import_utils")
     original = getattr(utils, "is_fake_tensor", None) if utils is not None else None
-    if original is None:
-        yield
-        return
 
     def is_fake_tensor(x: Any) -> bool:
         return bool(original(x)) and getattr(x, ATTR, None) is None
 
-    utils.is_fake_tensor = is_fake_tensor
+    if original is not None:
+        utils.is_fake_tensor = is_fake_tensor
+    own = FakeTensor.__dict__.get("__format__")  # None: the one it inherits from Tensor
+    FakeTensor.__format__ = _format  # type: ignore[method-assign]
     try:
         yield
     finally:
-        utils.is_fake_tensor = original
+        if own is None:
+            del FakeTensor.__format__
+        else:
+            FakeTensor.__format__ = own  # type: ignore[method-assign]
+        if original is not None:
+            utils.is_fake_tensor = original
+
+
+def _format(self: torch.Tensor, spec: str) -> str:
+    value = getattr(self, ATTR, None)
+    if value is not None and self.dim() == 0:
+        return value.item().__format__(spec)
+    return torch.Tensor.__format__(self, spec)
 
 
 _module_apply = MODULE_APPLY

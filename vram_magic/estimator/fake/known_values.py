@@ -23,6 +23,12 @@ from ..torch_private import disable_current_modes as _disable_current_modes
 
 ATTR = "_vram_magic_value"
 LIMIT = 1 << 20  # elements: masks and ids of a batch, never activations
+#: the mark of values that come from an MoE router's assumed choices (tracing/routing.py), and what they may grow to:
+#: the eager experts' one-hot routing mask is tokens × k × (experts + 1) elements
+ROUTED = "_vram_magic_routed"
+ROUTED_LIMIT = 1 << 24
+#: the outputs of ops on routed values that were too large to compute for real, counted (tracing/routing.py reads it)
+ROUTED_DROPPED = [0]
 _RANDOM = torch.Tag.nondeterministic_seeded
 #: factories whose memory is uninitialized: their values are whatever the allocator handed out (a real run's are
 #: as arbitrary), so they get none; a kept value would steer the fake run by garbage (``mask.all()``)
@@ -77,11 +83,11 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def _small(out: Any) -> bool:
+def _small(out: Any, limit: int | None = None) -> bool:
     if isinstance(out, torch.Tensor):
-        return out.numel() <= LIMIT and out.layout == torch.strided
+        return out.numel() <= (LIMIT if limit is None else limit) and out.layout == torch.strided
     if isinstance(out, (tuple, list)):
-        return all(_small(o) for o in out if isinstance(o, torch.Tensor))
+        return all(_small(o, limit) for o in out if isinstance(o, torch.Tensor))
     return True
 
 
@@ -141,7 +147,8 @@ def propagate(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         if isinstance(a, torch.Tensor) and getattr(a, ATTR, None) is None and type(a) is not torch.Tensor:
             _forget_written(func, args)
             return
-    if not _small(out) or func.overloadpacket.__name__ in _UNINITIALIZED:
+    small = _small(out) or routed(args) and (_small(out, ROUTED_LIMIT) or _dropped())
+    if not small or func.overloadpacket.__name__ in _UNINITIALIZED:
         _forget_written(func, args)
         return
     tensors_in = _has_tensor(args) or _has_tensor(kwargs)
@@ -162,7 +169,9 @@ def propagate(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         return
     _pair(out, real)
     if any(getattr(a, DRAWN, False) for a in args if isinstance(a, torch.Tensor)):
-        _mark_drawn(out)
+        _mark(out, DRAWN)
+    if routed(args):
+        _mark(out, ROUTED)
 
 
 def _stated_draw(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
@@ -183,10 +192,20 @@ def _stated_draw(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None
     setattr(out, DRAWN, True)
 
 
-def _mark_drawn(out: Any) -> None:
+def _mark(out: Any, mark: str) -> None:
     for o in out if isinstance(out, (tuple, list)) else (out,):
         if isinstance(o, torch.Tensor) and getattr(o, ATTR, None) is not None:
-            setattr(o, DRAWN, True)
+            setattr(o, mark, True)
+
+
+def _dropped() -> bool:
+    ROUTED_DROPPED[0] += 1
+    return False
+
+
+def routed(args: Any) -> bool:
+    """Whether an op's arguments hold values of an MoE router's assumed choices (tracing/routing.py)."""
+    return any(getattr(a, ROUTED, False) for a in args if isinstance(a, torch.Tensor))
 
 
 def drawn(args: Any) -> bool:
@@ -247,7 +266,10 @@ def answer(func: Any, args: Any, kwargs: dict[str, Any]) -> tuple[bool, Any]:
         real = _run_real(func, rargs, rkwargs)
     except Exception:
         return False, None
-    return True, _fake_of(real)
+    out = _fake_of(real)
+    if routed(args):
+        _mark(out, ROUTED)
+    return True, out
 
 
 def _masked_index(func: Any, args: Any) -> Any:

@@ -91,7 +91,8 @@ def bisected(est: Estimate, key: str, progress: Callable[[str], None] | None = N
             e = workload.evaluate(opts.with_(**{key: n}))
         except EstimateError:
             return False
-        return bool(e.fits)
+        # a partial estimate's needed is a lower bound: the largest size whose lower bound fits is an upper bound
+        return bool(e.fits) if not e.partial else e.capacity is not None and e.needed <= e.capacity
 
     best, _ = search_max(fits, start, progress=progress)
     return best

@@ -20,7 +20,7 @@ def what_if(workload: Workload, base: Estimate) -> list[Strategy]:
         raise ValueError("this estimate cannot be re-run for what-ifs (make it with vram_magic.estimate)")
     per_sample = workload.compute_per_sample(base)
     rows = [Strategy("baseline: " + base.description, base.peak.total, base.needed, 0, 1.0, 1.0, base.fits,
-                     workload.remark(base).lstrip("; "))]
+                     workload.remark(base).lstrip("; "), partial=base.partial)]
     for candidate in workload.candidates(base):
         try:
             est = workload.evaluate(opts.with_(**candidate.changes))
@@ -31,5 +31,5 @@ def what_if(workload: Workload, base: Estimate) -> list[Strategy]:
             continue
         compute = workload.compute_per_sample(est) / per_sample if per_sample else 1.0
         rows.append(Strategy(candidate.name, est.peak.total, est.needed, est.needed - base.needed, compute,
-                             candidate.steps, est.fits, candidate.note + workload.remark(est)))
+                             candidate.steps, est.fits, candidate.note + workload.remark(est), partial=est.partial))
     return rows

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ...engine.hooks.kv_cache import KV_CACHE
+from ...engine.scan.experts import expert_parameters, marked
 from ...engine.scan.registry import LiveStorages
 from ..device.autocast import cuda_autocast
 from ..fake.convert import from_specs, resize, size_of, tensors_in
@@ -29,6 +30,7 @@ from ..fake.request import Request
 from ..options import Options, short_dtype
 from ..torch_private import FakeTensorMode
 from ..tracing.errors import EstimateError
+from ..tracing.routing import routing_for
 from ..tracing.traced import FakeRun
 from ..tracing.tracer import FAKE_PROBLEMS, FORWARD
 from .facts import GenerateSpec
@@ -142,9 +144,13 @@ def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensor
     registry = LiveStorages()
     owner: dict[int, tuple[str, str]] = {}
 
+    experts = {id(p) for p in expert_parameters(model)}  # the MoE experts' weights, shown apart (scan/experts.py)
+
     def claim(t: Any, cat: tuple[str, str]) -> int | None:
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
             return None
+        if id(t) in experts:
+            cat = (cat[0], marked(cat[1]))
         entry = registry.add(t.untyped_storage())
         owner.setdefault(entry.serial, cat)
         return entry.serial
@@ -160,6 +166,7 @@ def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensor
         claim(t, ("other", "inputs"))
     names = {id(m): (name or type(m).__name__) for name, m in model.named_modules()}
     tracer = GenerateTracer(registry, names, cuda)
+    tracer.routing = routing_for(model, names, opts.moe_imbalance)  # MoE routing (tracing/routing.py)
     learnt = LoopRecorder(tracer, registry, spec)
     plan = DecodePlan(spec.new_tokens, on_event=learnt.event, cuda=cuda is not None)
     learnt.plan = plan
@@ -191,6 +198,8 @@ def _trace(request: Request, opts: Options, spec: GenerateSpec, mode: FakeTensor
                             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}") from err
     if autocast is not None:
         notes.append(autocast.note())
+    if tracer.routing is not None:
+        notes.extend(tracer.routing.notes())
     trace = _step_trace(tracer, owner, learnt, model, params, batch, seq, notes, problem, t0)
     facts = learnt.summary(kind, batch, seq, plan, model)
     facts["kernels"] = dict(tracer.kernels)

@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 
 
 def title(est: Estimate, shape: str) -> str:
-    """``%vram_estimate MODEL · what · device · shape · parameters``."""
+    """``%vram_estimate MODEL · what · device · shape · parameters``, and ``· PARTIAL`` when the step stopped early."""
     return (f"%vram_estimate {est.model} · {est.description} · {est.device}{shape} · "
-            f"{format_count(est.parameters)} parameters")
+            f"{format_count(est.parameters)} parameters" + (" · PARTIAL" if est.partial else ""))
 
 
 def flops_text(n: float) -> str:
@@ -67,16 +67,34 @@ def traced_line(est: Estimate) -> str:
 
 
 def verdict(est: Estimate) -> str:
-    """What the device needs, and whether it fits the GPU or the budget, by how much."""
+    """What the device needs, and whether it fits the GPU or the budget, by how much. A partial estimate's figure is a
+    lower bound, said as one: never a plain "fits"."""
     where = est.gpu or (format_bytes(est.capacity) if est.capacity else None)
+    on = " on the device" if est.device == "cuda" else ""
+    if est.partial:
+        return partial_verdict(est, where, on)
     if est.capacity is None or where is None:
-        return f"needs {format_bytes(est.needed)}" + (" on the device" if est.device == "cuda" else "")
+        return f"needs {format_bytes(est.needed)}{on}"
     room = est.capacity - est.needed
     if room >= 0:
         return (f"fits {where}: needs {format_bytes(est.needed)} of {format_bytes(est.capacity)}, "
                 f"headroom {format_bytes(room)} ({100 * room / est.capacity:.0f} %)")
     return (f"does NOT fit {where}: needs {format_bytes(est.needed)} of {format_bytes(est.capacity)}, "
             f"{format_bytes(-room)} short")
+
+
+def partial_verdict(est: Estimate, where: str | None, on: str) -> str:
+    """A partial estimate's verdict: at least what ran before the stop needs; short of the capacity even so, or not
+    known to fit."""
+    stopped = "(partial: the step stopped early)"
+    least = f"at least {format_bytes(est.needed)} needed{on} {stopped}"
+    if est.capacity is None or where is None:
+        return least
+    if est.needed > est.capacity:
+        return (f"does NOT fit {where}: needs at least {format_bytes(est.needed)} of {format_bytes(est.capacity)}, "
+                f"at least {format_bytes(est.needed - est.capacity)} short {stopped}")
+    room = f"{est.gpu}'s {format_bytes(est.capacity)}" if est.gpu else f"the budget of {format_bytes(est.capacity)}"
+    return f"{least}, within {room} so far: whether the whole step fits is not known"
 
 
 def report_text(est: Estimate, heading: str, lines: list[str]) -> str:
@@ -123,12 +141,12 @@ def report_html(est: Estimate, heading: str, notes_html: list[str]) -> str:
     rows = bar_rows(est)
     label = est.gpu or "budget"
     scale = scale_for([r.length for r in rows], est.capacity, capacity_label=label)
-    verdict_style = GOOD if est.fits else (BAD if est.fits is False else "")
-    mark = "✔ " if est.fits else ("✘ " if est.fits is False else "")
+    verdict_style = GOOD if est.fits else (BAD if est.fits is False or est.partial else "")
+    mark = "✔ " if est.fits else ("✘ " if est.fits is False else ("⚠ " if est.partial else ""))
     parts = [f'<div class="vram-report vram-estimate" style="{ROOT}">',
              f'<div class="vram-title" style="font-weight:bold;margin-bottom:2px">{html.escape(heading)}</div>']
     if est.partial:
-        parts.append(f'<div class="vram-partial" style="{BAD}"><b>partial</b>: {html.escape(est.problem or "")}'
+        parts.append(f'<div class="vram-partial" style="{BAD}"><b>PARTIAL</b>: {html.escape(est.problem or "")}'
                      "</div>")
     parts.append(bars_html(rows, scale))
     parts.append(zoom_note(scale, est.needed, est.gpu))

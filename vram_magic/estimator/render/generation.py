@@ -7,6 +7,7 @@ import html
 from typing import TYPE_CHECKING
 
 from ...core.units import format_bytes
+from ...render.text import experts_line
 from .common import report_html, report_text, title, top_modules_line
 
 if TYPE_CHECKING:
@@ -47,13 +48,20 @@ def searched(est: GenerateEstimate) -> list[str]:
     return lines
 
 
+def experts(est: GenerateEstimate) -> list[str]:
+    """A mixture of experts' weights with the routed experts' share."""
+    line = experts_line(est.peak)
+    return [f"mixture of experts at the peak: {line}"] if line else []
+
+
 def estimate_text(est: GenerateEstimate) -> str:
-    lines = [top_modules_line(est)] if est.top_modules else []
+    lines = experts(est) + ([top_modules_line(est)] if est.top_modules else [])
     return report_text(est, heading(est), lines + generation_lines(est) + searched(est))
 
 
 def estimate_html(est: GenerateEstimate) -> str:
-    notes = [f"<div>{top_modules_line(est, code=True)}</div>"] if est.top_modules else []
+    notes = [f"<div>{html.escape(line)}</div>" for line in experts(est)]
+    notes += [f"<div>{top_modules_line(est, code=True)}</div>"] if est.top_modules else []
     notes += [f"<div>{html.escape(line)}</div>" for line in generation_lines(est)]
     notes += [f"<div><b>{html.escape(line)}</b></div>" for line in searched(est)]
     return report_html(est, heading(est), notes)

@@ -39,7 +39,7 @@ def rows(est: ParallelEstimate) -> list[list[str]]:
     cats = [c for c in CATEGORIES if any(r.peak[c] for r in est.roles)]
     out = [["ranks", "role", *[SHORT.get(c, c) for c in cats], "peak", "needed", "fits"]]
     for r in est.roles:
-        fits = "" if r.fits is None else ("yes" if r.fits else "no")
+        fits = ("partial" if r.capacity is not None else "") if r.fits is None else ("yes" if r.fits else "no")
         out.append([ranks_of(r.ranks), r.role, *[format_bytes(r.peak[c]) for c in cats], format_bytes(r.peak.total),
                     format_bytes(r.needed), fits])
     return out

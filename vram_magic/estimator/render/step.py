@@ -6,6 +6,7 @@ import html
 from typing import TYPE_CHECKING
 
 from ...core.units import format_bytes
+from ...render.text import experts_line
 from .common import flops_text, report_html, report_text, title, top_modules_line
 
 if TYPE_CHECKING:
@@ -26,6 +27,9 @@ def summary(est: StepEstimate) -> list[str]:
         lines.append(f"step: {est.step}")
     if est.loss:
         lines.append(f"loss: {est.loss}")
+    experts = experts_line(est.peak)
+    if experts:  # a mixture of experts: the routed experts' share of the model states at the peak
+        lines.append(f"mixture of experts at the peak: {experts}")
     if est.model_states and est.options is not None and not est.options.inference:
         per_rank = " per rank" if est.options.zero else ""
         lines.append(f"model states{per_rank} (parameters + gradients + optimizer state): "
@@ -45,11 +49,14 @@ def compute_line(est: StepEstimate) -> str:
 
 
 def searched(est: StepEstimate) -> list[str]:
+    """The searches' answers; a partial estimate's are upper bounds (each trial's figure a lower bound)."""
     lines = []
+    most = "at most " if est.partial else ""
+    why = " (partial: each trial stopped where this estimate did)" if est.partial else ""
     if est.max_batch is not None:
-        lines.append(f"largest batch that fits: {est.max_batch}")
+        lines.append(f"largest batch that fits: {most}{est.max_batch}{why}")
     if est.max_seq is not None:
-        lines.append(f"longest sequence that fits: {est.max_seq}")
+        lines.append(f"longest sequence that fits: {most}{est.max_seq}{why}")
     return lines
 
 

@@ -32,6 +32,8 @@ def strategies_text(rows: tuple[Strategy, ...]) -> str:
     out = ["  what if                                     peak     needed          saves  compute  fits"]
     for r in _sorted(rows):
         fits = "" if r.fits is None else ("yes" if r.fits else "no")
+        if r.partial and r.fits is not False:
+            fits = "partial"
         out.append(f"  {r.name[:38]:<38}{format_bytes(r.peak):>11}{format_bytes(r.needed):>11}"
                    f"{_saves(r):>15}   ×{r.compute:<5.2f} {fits}")
     return "\n".join(out)
@@ -42,12 +44,15 @@ def strategies_html(rows: tuple[Strategy, ...]) -> str:
     ordered = _sorted(rows)
     name_w = max([len(r.name) for r in ordered] + [7])
     num = f"{NUM};padding-right:0.9em"
+    fits_w = 9 if any(r.partial for r in ordered) else 7
     heads = [("what if", "left", name_w), ("peak", "right", 10), ("needed", "right", 10), ("saves", "right", 14),
-             ("compute", "right", 8), ("steps", "right", 6), ("fits", "left", 7), ("note", "left", 0)]
+             ("compute", "right", 8), ("steps", "right", 6), ("fits", "left", fits_w), ("note", "left", 0)]
     lines = [("vram-what-if-head", [Cell(h, h, w, align, "font-weight:bold;white-space:nowrap;padding-right:0.9em")
                                     for h, align, w in heads])]
     for r in ordered:
-        if r.fits is None:
+        if r.partial and r.fits is not False:  # stopped early: what it needs is a lower bound, its fit not known
+            fits = Cell(f'<span class="vram-partial" style="{BAD};font-weight:bold">⚠ partial</span>', "⚠ partial", 9)
+        elif r.fits is None:
             fits = Cell("", "", 7)
         elif r.fits:
             fits = Cell(f'<span class="vram-fits" style="{GOOD};font-weight:bold">✔ fits</span>', "✔ fits", 7)
@@ -60,7 +65,7 @@ def strategies_html(rows: tuple[Strategy, ...]) -> str:
             Cell(peak, peak, 10, "right", num), Cell(needed, needed, 10, "right", num),
             Cell(saves, saves, 14, "right", num), Cell(compute, compute, 8, "right", num),
             Cell(steps, steps, 6, "right", num),
-            Cell(fits.markup, fits.plain, 7, style="white-space:nowrap;padding-right:0.9em"),
+            Cell(fits.markup, fits.plain, fits_w, style="white-space:nowrap;padding-right:0.9em"),
             Cell(html.escape(r.note), r.note, style=f"min-width:12em;white-space:normal;{MUTED}"),
         ]))
     return (f'<div class="vram-scroll" style="overflow-x:auto;max-width:100%;margin-top:4px">'

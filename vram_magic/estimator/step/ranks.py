@@ -11,7 +11,7 @@ from typing import Any
 
 from ..options import Options
 from ..replay import from_trace
-from ..result import ParallelEstimate, RankEstimate
+from ..result import ParallelEstimate, RankEstimate, fits_of
 from .low_bit_optimizers import paged_note, paged_share
 
 
@@ -54,13 +54,15 @@ def evaluate_ranks(workload: Any, opts: Options) -> ParallelEstimate:
         ranks = tuple(k for k in range(opts.world) if pipeline_rank(k, opts) == pp_rank)
         roles.append(RankEstimate(
             ranks=ranks, role=role_name(opts, pp_rank, stages), stages=stages, peak=r.peak,
-            after_forward=r.after_forward, needed=r.needed, reserved=r.reserved, capacity=r.capacity, fits=r.fits,
-            model_states=r.model_states, modelled=r.modelled))
+            after_forward=r.after_forward, needed=r.needed, reserved=r.reserved, capacity=r.capacity,
+            fits=fits_of(r.fits, trace.problem is not None), model_states=r.model_states, modelled=r.modelled))
         replays.append((trace, r))
     top = max(range(len(roles)), key=lambda i: (roles[i].needed, -i))
     trace, r = replays[top]
     gpu = workload.target.gpu
-    fits = None if r.capacity is None else all(bool(x.fits) for x in roles)
+    problems = [t.problem for t, _ in replays if t.problem is not None]
+    fits = None if r.capacity is None else False if any(x.fits is False for x in roles) else \
+        fits_of(True, bool(problems))
     notes = list(r.notes)
     if opts.pp > 1:
         notes.append(f"the headline is rank {roles[top].ranks[0]}'s ({roles[top].role}), the most loaded; each "
@@ -73,7 +75,7 @@ def evaluate_ranks(workload: Any, opts: Options) -> ParallelEstimate:
         after_forward=r.after_forward, top_modules=r.top_modules, flops=dict(trace.flops), batch=trace.batch,
         seq=trace.seq, micro_batch=trace.micro_batch, parameters=sum_parameters(replays),
         gpu=gpu.name if gpu is not None else None, capacity=r.capacity, reserved=r.reserved, context=r.context,
-        needed=r.needed, fits=fits, partial=any(t.problem is not None for t, _ in replays), problem=trace.problem,
+        needed=r.needed, fits=fits, partial=bool(problems), problem=trace.problem or next(iter(problems), None),
         modelled=r.modelled, notes=tuple(notes), wall_time=sum(t.wall for t, _ in replays), loss=trace.loss,
         model_states=r.model_states, paged=paged, step=trace.step, options=opts, rerun=workload,
         ranks=tuple(roles[pipeline_rank(k, opts)] for k in range(opts.world)), roles=tuple(roles),

@@ -26,8 +26,10 @@ from ..fake.scripted import has_scripted
 from ..options import Options
 from ..torch_private import FakeTensorMode
 from ..tracing.errors import EstimateError, failure_message
+from ..tracing.routing import routing_for
 from ..tracing.traced import FakeRun
 from ..tracing.tracer import BACKWARD, FAKE_PROBLEMS, FORWARD, LOSS, OPTIMIZER, SETUP, ZERO_GRAD, StepTracer
+from .experts import ExpertLabels
 from .first_step import claim_state, run_first_step, state_key
 from .loss import describe_loss, stand_in_loss
 from .low_bit_optimizers import ModelledOptimizer, paged_bytes, recipe_note
@@ -121,6 +123,7 @@ class _FakeStep:
         self.autocast: Any = None  # CUDA's autocast policy (estimator/device/autocast.py), for amp= estimates for CUDA
         self.states: dict[Any, Any] | None = None  # the optimizer state earlier runs' first steps left (first_step.py)
         self.levers = Levers(opts)  # the recipes' levers (step/recipes/): the user's step, the loss, what is saved
+        self.experts: ExpertLabels | None = None  # the MoE experts' parameters, gradients and state (experts.py)
 
     # --- the model and its inputs on fake tensors -------------------------------------------------------------
     def build(self) -> None:
@@ -176,6 +179,7 @@ class _FakeStep:
                     self.masters = [nn.Parameter(torch.empty(p.shape, dtype=torch.float32)) for p in self.trainable]
                 self.optimizer = make_step_optimizer(opts, self.masters or self.trainable)
         self.registry = LiveStorages()
+        self.experts = ExpertLabels.of(model, self.trainable, self.masters, self.optimizer, self._events)
         for p, label in parameter_labels(model):  # quantized, adapters, frozen: named before the plain ones
             self.claim(p, ("parameters", label))
         for p in self.params:
@@ -195,6 +199,7 @@ class _FakeStep:
         self.tracer = (self.parallel.tracer if self.parallel is not None else self.levers.tracer_class)(self.registry,
                                                                                                        self.names)
         self.tracer.target = opts.device
+        self.tracer.routing = routing_for(model, self.names, opts.moe_imbalance)  # MoE blocks (tracing/routing.py)
         self.levers.prepare(self)
         if isinstance(self.optimizer, ModelledOptimizer):  # its update's row in the op log, for the time model
             self.optimizer.ops = self.tracer.ops
@@ -205,6 +210,8 @@ class _FakeStep:
 
     def claim(self, t: Any, cat: tuple[str, str]) -> int | None:
         """``t``'s storage counted as ``cat`` (unless something claimed it first); its serial."""
+        if self.experts is not None and isinstance(t, torch.Tensor):
+            cat = self.experts.label(t, cat)
         if self.parallel is not None:
             t = self.parallel.local(t)
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
@@ -212,6 +219,11 @@ class _FakeStep:
         entry = self.registry.add(t.untyped_storage())
         self.owner.setdefault(entry.serial, cat)
         return entry.serial
+
+    def _events(self) -> int:
+        """The tracer's events so far (-1 before it exists): what changes when gradients or state may have."""
+        tracer = getattr(self, "tracer", None)
+        return len(tracer.counts.events) if tracer is not None else -1
 
     def _runner(self) -> Any:
         """What the step calls: the model, with its compiled parts compiled again on the fake copy
@@ -349,6 +361,8 @@ class _FakeStep:
                 self.notes.append(note)
         if self.autocast is not None:
             self.notes.append(self.autocast.note())
+        if tracer.routing is not None:
+            self.notes.extend(tracer.routing.notes())
         if tracer.draws:
             where = ", ".join(sorted(set(tracer.draws)))
             self.notes.append(f"random draws read in the forward (in {where}) were taken at the top of their range: "

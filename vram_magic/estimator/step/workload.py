@@ -13,7 +13,7 @@ from ..followups.search import bisected
 from ..followups.whatif import what_if
 from ..options import Options
 from ..replay import from_trace
-from ..result import Candidate, StepEstimate, Strategy
+from ..result import Candidate, StepEstimate, Strategy, fits_of
 from ..tracing.kept import KeptTraces
 from ..tracing.traced import FakeRun
 from .candidates import candidates
@@ -59,7 +59,8 @@ class StepWorkload:
             after_forward=r.after_forward, top_modules=r.top_modules, flops=dict(trace.flops), batch=trace.batch,
             seq=trace.seq, micro_batch=trace.micro_batch, parameters=trace.param_count,
             gpu=gpu.name if gpu is not None else None, capacity=r.capacity, reserved=r.reserved, context=r.context,
-            needed=r.needed, fits=r.fits, partial=trace.problem is not None, problem=trace.problem,
+            needed=r.needed, fits=fits_of(r.fits, trace.problem is not None), partial=trace.problem is not None,
+            problem=trace.problem,
             modelled=r.modelled, notes=r.notes + ((paged_note(paged),) if paged else ()), wall_time=trace.wall,
             loss=trace.loss, model_states=r.model_states, paged=paged, host=r.host, pinned=r.pinned, step=trace.step,
             host_pinned=trace.host_pinned, options=opts, rerun=self)

@@ -11,6 +11,12 @@ real kernel's shapes, strides and dtypes.
   Their outputs' shapes follow the CPU kernel (``aten/src/ATen/native/LossCTC.cpp``): the per-sample loss
   ``(B,)``, ``log_alpha`` ``(B, T, 2 * max(target_lengths) + 1)`` and the gradient like ``log_probs``; the
   backward keeps ``log_beta`` (as ``log_alpha``) alive while it runs.
+* ``aten.native_layer_norm_backward``: PyTorch's fake kernel (its decomposition) lays the input's gradient out like
+  the output's gradient, while the CPU and CUDA kernels make it contiguous (``layer_norm_backward_cpu``:
+  ``dX = empty_like(*X, MemoryFormat::Contiguous)``, ``X = input.expect_contiguous()``; the CUDA kernel the same). A
+  transposed output gradient (Swin's pooler: ``transpose`` then the final norm) otherwise gives a strided gradient
+  that the next ``view`` must copy: one activation gradient too many at the backward's peak. Here: the fake
+  kernel's outputs, the input's gradient contiguous.
 
 Each entry is ``(kernel, scratch)``: ``kernel(*args, **kwargs)`` runs under the fake mode and returns the op's
 outputs; ``scratch(*args, **kwargs)`` the ``(shape, dtype)`` of the buffers the real kernel holds while it runs.
@@ -130,6 +136,16 @@ def _ctc_backward_scratch(*args: Any, **kwargs: Any) -> list[tuple[tuple[int, ..
     return [(tuple(log_alpha.shape), log_alpha.dtype)]  # log_beta = at::empty_like(log_alpha)
 
 
+# --- layer norm's backward ------------------------------------------------------------------------------------
+
+def layer_norm_backward(*args: Any, **kwargs: Any) -> Any:
+    """The fake kernel's outputs, the input's gradient (when asked for) contiguous as the real kernels make it."""
+    grad_input, grad_weight, grad_bias = _aten.native_layer_norm_backward.default(*args, **kwargs)
+    if grad_input is not None and not grad_input.is_contiguous():
+        grad_input = torch.empty(tuple(grad_input.shape), dtype=grad_input.dtype, device=grad_input.device)
+    return grad_input, grad_weight, grad_bias
+
+
 def _none(*args: Any, **kwargs: Any) -> list[tuple[tuple[int, ...], torch.dtype]]:
     return []
 
@@ -143,3 +159,4 @@ OWN[_aten._ctc_loss.default] = (ctc_loss, _none)
 OWN[_aten._ctc_loss.Tensor] = (ctc_loss, _none)
 OWN[_aten._ctc_loss_backward.default] = (ctc_loss_backward, _ctc_backward_scratch)
 OWN[_aten._ctc_loss_backward.Tensor] = (ctc_loss_backward, _ctc_backward_scratch)
+OWN[_aten.native_layer_norm_backward.default] = (layer_norm_backward, _none)

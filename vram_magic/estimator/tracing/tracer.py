@@ -32,6 +32,7 @@ from ..torch_private import (
 from .fake_outputs import FakeOutputs
 from .kernels import OWN
 from .oplog import OpLog, Traits, op_traits
+from .routing import CHOOSERS, Routing
 
 # The stages of a traced step (engine/phases.py holds every phase), under the names they always had here
 SETUP, FORWARD, LOSS, BACKWARD, OPTIMIZER, ZERO_GRAD = Phase.SETUP, Phase.FORWARD, Phase.LOSS, Phase.BACKWARD, \
@@ -107,6 +108,19 @@ def _shapes(args: Any, kwargs: Any) -> str:
     return ", ".join(parts)
 
 
+def reads_input(args: Any, kwargs: Any, input_keys: set[int]) -> bool:
+    """Whether an op's arguments include one of the inputs (``input_keys``: ``id()`` of their storages) directly."""
+    for a in list(args) + list((kwargs or {}).values()):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if isinstance(t, torch.Tensor):
+                try:
+                    if id(t.untyped_storage()) in input_keys:
+                        return True
+                except (RuntimeError, NotImplementedError):
+                    pass
+    return False
+
+
 class StepObserver(TrackerObserver):
     """What the step tracer hears from the tracker: the module stack by name, which stage and module made each
     storage, and the frees of values already counted as freed (:meth:`.FakeOutputs.release`)."""
@@ -169,17 +183,7 @@ class StepTracer(Tracker):
         # set for a CUDA estimate: SDPA runs as the CUDA kernel PyTorch would pick (estimator/device/sdpa.py)
         self.attention: CudaAttention | None = None
         self.scratching = False  # set while a CUDA attention backward runs with its kernel's scratch alive
-
-    def _reads_input(self, args: Any, kwargs: Any) -> bool:
-        for a in list(args) + list((kwargs or {}).values()):
-            for t in a if isinstance(a, (list, tuple)) else (a,):
-                if isinstance(t, torch.Tensor):
-                    try:
-                        if id(t.untyped_storage()) in self.input_keys:
-                            return True
-                    except (RuntimeError, NotImplementedError):
-                        pass
-        return False
+        self.routing: Routing | None = None  # the model's MoE blocks and the routing assumed in them (routing.py)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -271,6 +275,8 @@ class StepTracer(Tracker):
             # a value read or a value-dependent shape: answered from the real values of small tensors
             # (masks, ids) when they are known, as the real run would answer it
             known, out = answer(func, args, kwargs)
+            if self.routing is not None:
+                self.routing.answered(args, known, self.modstack)
             if not known:
                 if self.problem is None:
                     self.problem = (str(func), self.module() or "(top level)", type(err).__name__)
@@ -282,10 +288,12 @@ class StepTracer(Tracker):
             if self.failed_in is None:  # the module hooks unwind before the caller sees the exception
                 self.failed_in = (str(func), self.module() or "(top level)", _shapes(args, kwargs))
                 self.failed_stage = self.stage
-                self.failed_on_input = self._reads_input(args, kwargs)
+                self.failed_on_input = reads_input(args, kwargs, self.input_keys)
             raise
         else:
             propagate(func, args, kwargs, out)
+            if self.routing is not None and func in CHOOSERS:
+                self.routing.chose(func, self.modstack, args, kwargs, out)
         self.outputs.see_outputs(out, func)
         packet = func.overloadpacket
         counter = flop_registry.get(packet)

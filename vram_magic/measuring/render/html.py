@@ -25,6 +25,7 @@ from ...render.bars import (
     values_html,
     zoom_note,
 )
+from ...render.text import experts_line
 from ...render.theme import MUTED, REQUEST, ROOT, SMALL
 from .text import title
 
@@ -96,6 +97,9 @@ def notes_html(report: CellReport) -> str:
         parts.append(oom_html(report))
     elif report.error:
         parts.append(f'<div class="vram-error">the cell raised <code>{html.escape(report.error)}</code></div>')
+    experts = experts_line(report.peak)
+    if experts:  # a mixture of experts: the routed experts' share of the model states at the peak
+        parts.append(f"<div>mixture of experts at the peak: {html.escape(experts)}</div>")
     top = [(label or "?", n) for label, n in report.after.details("other").items() if n][:3]
     if top:
         parts.append(f"<div>other after the cell: {_list(top)}</div>")

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 from ...core.breakdown import CATEGORIES, LABELS, shown_categories
 from ...core.events import format_frame
 from ...core.units import format_bytes
-from ...render.text import bar, legend, table
+from ...render.text import bar, experts_line, legend, table
 
 if TYPE_CHECKING:
     from ..live_status import LiveStatus
@@ -35,6 +35,9 @@ def report_text(report: CellReport) -> str:
     since = f"cell {report.previous}" if report.previous is not None else "before"
     ref = max(report.after.total, report.before.total, 1)
     lines.append(table([(f"Δ vs {since}"[:12], report.delta)], signed=True, reference=ref, categories=shown))
+    experts = experts_line(report.peak)
+    if experts:  # a mixture of experts: the routed experts' share of the model states at the peak
+        lines.append(f"  mixture of experts at the peak: {experts}")
     top = [(label, n) for label, n in report.after.details("other").items() if n][:3]
     if top:
         lines.append("  other after: " + ", ".join(f"{lab or '?'} {format_bytes(n)}" for lab, n in top))
