@@ -234,7 +234,7 @@ def tracker_on_tiny_ops(steps: int = 200, rounds: int = 15) -> dict[str, float]:
     variants: dict[str, Callable[[], object]] = {
         "empty dispatch mode, no dynamo wrapper": empty_mode, "measure()": measured,
         "measure(record_sites=False)": lambda: measured(record_sites=False)}
-    if "host" in inspect.signature(vram_magic.measure).parameters:  # the host's memory sampled beside (a thread)
+    if _measures_host():  # the host's memory sampled beside (a thread)
         variants["measure(host=False)"] = lambda: measured(host=False)
     counts = _storage_counts()
     if counts is not None:
@@ -259,6 +259,15 @@ def tracker_on_tiny_ops(steps: int = 200, rounds: int = 15) -> dict[str, float]:
         if name not in (base, "measure()"):
             out[f"{name}: CPU-time ratio"] = _paired(cpu[name], cpu[base], operator.truediv)
     return out
+
+
+def _measures_host() -> bool:
+    """Whether this version's ``measure()`` takes ``host=`` (it passes its options on to ``Measurement``)."""
+    try:
+        from vram_magic.measuring.measurement import Measurement
+    except ImportError:  # a version before the measuring side had its folder
+        return False
+    return "host" in inspect.signature(Measurement.__init__).parameters
 
 
 def _storage_counts() -> type | None:

@@ -91,7 +91,7 @@ def estimate(
     optimizer_in_backward: bool = False,
     offload_activations: bool = False,
     loss_chunks: int | None = None,
-    cp: int = 1,
+    cp: int = 1, moe_imbalance: float = 1.0,
 ) -> Estimate:
     """Estimate the memory of a training (or inference) step of ``model`` on ``inputs``.
 
@@ -121,23 +121,22 @@ def estimate(
     (``quantize="nf4", lora=16`` is QLoRA). A model already quantized (torch.ao, torchao, bitsandbytes) or made
     with PEFT is estimated as it is.
     ``device="cuda"`` models a GPU (default), ``"cpu"`` a CPU run. ``gpu`` (a name from :data:`GPUS`) or
-    ``budget`` (``"24GiB"``) sets the capacity for the fit verdict; ``cuda``: a :class:`CudaModel` with other
-    constants for what CUDA adds (its context, the cuBLAS and cuDNN workspaces). ``alloc_conf``: the caching
-    allocator's settings in ``PYTORCH_CUDA_ALLOC_CONF``'s syntax (``"expandable_segments:True"``,
-    ``"max_split_size_mb:512"``, ``"roundup_power2_divisions:4"``; default: that variable's value here), modelled
-    in the block sizes and reserved memory and named in the notes. ``what_if`` adds the strategy table;
-    ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1
-    of the inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial. ``batch=B``
-    resizes the inputs' dimension 0 to ``B`` first (``--batch`` on the command line); ``name``: what the report
-    calls the model (default: its class, or the builder's name).
+    ``budget`` (``"24GiB"``) sets the capacity for the fit verdict (a partial estimate's ``fits`` is never ``True``);
+    ``cuda``: a :class:`CudaModel` with other constants for what CUDA adds (its context, the cuBLAS and cuDNN
+    workspaces). ``alloc_conf``: the caching allocator's settings in ``PYTORCH_CUDA_ALLOC_CONF``'s syntax
+    (``"expandable_segments:True"``, ``"max_split_size_mb:512"``, ``"roundup_power2_divisions:4"``; default: that
+    variable's value here), modelled in the block sizes and reserved memory and named in the notes. ``what_if`` adds
+    the strategy table; ``max_batch`` (``max_seq``) searches the largest batch (sequence length, dimension 1 of the
+    inputs) that fits (needs ``gpu`` or ``budget``); ``progress`` receives a line per trial. ``batch=B`` resizes the
+    inputs' dimension 0 to ``B`` first (``--batch`` on the command line); ``name``: what the report calls the model
+    (default: its class, or the builder's name).
 
     ``generate=N``: the peak of ``model.generate(inputs, max_new_tokens=N, min_new_tokens=N)`` instead of a step
     (``inputs``: token ids, or a dict with ``input_ids`` and ``attention_mask``), with ``cache_implementation``
     (a name the installed transformers knows: ``"static"``, ``"offloaded"``, ...) and ``num_beams``; the KV
     cache is the ``kv_cache`` category, ``estimate.generation`` holds its bytes per token. With it, ``max_seq``
     finds the longest prompt (``estimate.max_prompt``) and ``max_batch`` the largest batch that fit with N new
-    tokens.
-    A decoder without transformers whose forward takes and returns a cache (``past_key_values``) works too.
+    tokens; a decoder without transformers whose forward takes and returns a cache (``past_key_values``) works too.
 
     ``tp=T``: tensor parallelism over T ranks, as ``parallelize_module`` does it with ``parallelize_plan`` (a dict
     of ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` styles, as PyTorch takes it; default:
@@ -146,6 +145,7 @@ def estimate(
     ``pp=["model.layers.8"]``: where stages begin; ``micro_batches`` (default P), ``schedule`` (docs/parallel.md).
     ``cp=C``: context parallelism (ring attention). ``world`` is tp × pp × cp × dp, ``zero``/``fsdp`` shard over
     dp × cp; ``estimate.ranks[r]`` is rank r's, the headline the most loaded; ``fits`` asks whether every rank fits.
+    ``moe_imbalance=F``: MoE routing's worst case, the busiest expert F × its balanced share (docs/estimate.md).
 
     The recipes (``step/recipes/``): ``step=fn`` runs ``fn(model, batch, optimizer)``, one training step as you write
     it (forward, any loss, backward, the update or none), traced exactly as written, ``steps`` times; ``optimizer`` is
@@ -172,7 +172,8 @@ def estimate(
 def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batch: int | None = None,
          device: str = "cuda", allow: Any = (), interconnect: Any = None, generate: int | None = None,
          top: int | None = 10, optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
-         budget: Any = None, name: str | None = None, progress: Callable[[str], None] | None = None) -> Any:
+         budget: Any = None, name: str | None = None, progress: Callable[[str], None] | None = None,
+         host_size: int = 8, tp: int | None = None, pp: int | None = None, cp: int | None = None) -> Any:
     """The fastest ways to make a training step of ``model`` on ``inputs`` fit ``gpus`` GPUs like ``gpu``, ranked by
     predicted step time (a :class:`~vram_magic.estimator.planning.result.Plan`).
 
@@ -189,6 +190,15 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
     :func:`estimate`'s keyword arguments that give its memory; ``plan.calibrate(report)`` scales every time by a
     measured step.
 
+    Across GPUs (``gpus`` more than one host's ``host_size``, or ``allow="parallel"``, or a degree fixed with ``tp=``,
+    ``pp=``, ``cp=``) it searches the whole product of layouts: tensor parallelism inside a host, context
+    parallelism, pipelines (1F1B, interleaved, ZB-V) and data parallelism (DDP, ZeRO-1/2, FSDP, HSDP) across hosts,
+    every micro-batch count, checkpointing (none, every block, every second block, op-level) and precision (bf16
+    autocast, FSDP2's bf16 ``param_dtype``); each collective is timed over its link with the overlap the runtime gives
+    it (``Plan.rows[i].collectives``). ``ValueError`` for a degree that cannot run (heads ``tp`` does not divide, more
+    stages than blocks, attention ``cp`` cannot shard, a ``tp`` larger than a host, degrees that do not divide
+    ``gpus``).
+
     ``generate=N``: plan ``model.generate(inputs, max_new_tokens=N)`` instead: the weights' dtype (int8 and nf4 too
     with ``allow="quantize"``), the cache (default, static, int4-quantized, offloaded on CUDA) and the largest batch
     that fits, ranked by tokens/s.
@@ -197,7 +207,7 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
 
     return run(model, inputs, gpu=gpu, gpus=gpus, global_batch=global_batch, device=device, allow=allow,
                interconnect=interconnect, generate=generate, top=top, optimizer=optimizer, loss_fn=loss_fn,
-               dtype=dtype, budget=budget, name=name, progress=progress)
+               dtype=dtype, budget=budget, name=name, progress=progress, host_size=host_size, tp=tp, pp=pp, cp=cp)
 
 
 __all__ = ["GPU", "GPUS", "CudaModel", "Estimate", "EstimateError", "GenerateEstimate", "ParallelEstimate",

@@ -36,6 +36,7 @@ def as_json(p: Any) -> dict[str, Any]:
         "rows": [{"name": r.name, "options": {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
                                               for k, v in r.options.items()},
                   "needed": r.needed, "peak": r.peak.as_dict(), "fits": r.fits, "step_time": r.step_time,
+                  "partial": r.fits is None,  # stopped early: needed is a lower bound, the fit not known
                   "throughput": r.throughput, "time": dict(r.time), "numerics": list(r.numerics),
                   "tradeoffs": list(r.tradeoffs), "code": list(r.code)} for r in p.rows],
     }

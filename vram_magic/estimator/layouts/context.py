@@ -71,6 +71,9 @@ def ring_shapes(model: Any, opts: Options, micro_batch: int | None, seq_shard: i
         raise ValueError("context parallelism's ring attention runs CUDA's attention kernels (flash, memory-efficient, "
                          "cuDNN); torch 2.13 has no sharding for the CPU's: estimate cp with device='cuda'")
     config = getattr(model, "config", None)
+    if config is None:  # a pipeline rank's stages (a list of cut copies of the model): their config
+        config = next((getattr(m, "config", None) for m in model.modules() if getattr(m, "config", None) is not None),
+                      None)
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int) or not isinstance(getattr(config, "num_hidden_layers", None), int):
         raise ValueError(f"context parallelism shards the attention of a decoder it knows (a transformers model with "

@@ -126,6 +126,16 @@ def stages_of(rank: int, ranks: int, n_stages: int, schedule: str = "1f1b") -> l
     return list(range(rank, n_stages, ranks))
 
 
+def receive_claims(stages: Any) -> list[tuple[torch.Tensor, tuple[str, str]]]:
+    """The receive buffers of a rank's ``stages`` (activations in, gradients back), with their roles: alive from the
+    first step on."""
+    out = []
+    for s in stages:
+        out += [(t, received_role(s.index, "activations")) for t in s.received]
+        out += [(t, received_role(s.index, "gradients")) for t in s.grads_in]
+    return out
+
+
 def check_micro_batches(schedule: str, m: int, ranks: int, n_stages: int, batch: int | None) -> None:
     """``ValueError`` where PyTorch's schedule would refuse ``m`` micro-batches, or the batch does not split."""
     if schedule == "1f1b" and m < ranks:
@@ -278,11 +288,7 @@ class PipelineRank:
 
     def claims(self) -> list[tuple[torch.Tensor, tuple[str, str]]]:
         """The receive buffers, alive from the first step on."""
-        out = []
-        for s in self.stages.values():
-            out += [(t, received_role(s.index, "activations")) for t in s.received]
-            out += [(t, received_role(s.index, "gradients")) for t in s.grads_in]
-        return out
+        return receive_claims(self.stages.values())
 
     def run(self, step: Any, batch: Any, last: bool) -> None:
         """One step's forwards and backwards (``batch``: the first stage's input, split into micro-batches)."""

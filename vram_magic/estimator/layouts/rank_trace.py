@@ -44,7 +44,7 @@ class RankTrace:
             self.notes += notes
             if tensor.needs_positions(opts.parallelize_plan is not None, model):
                 self.added_positions = not (isinstance(step.inputs, dict) and "position_ids" in step.inputs)
-                step.inputs = _with_positions(step.inputs, step.mode)
+                step.inputs = _with_positions(step.inputs, step.mode, known=opts.pp == 1)
             name, unregister = tensor.fake_group(opts.tp)
             self._unregister = weakref.finalize(self, unregister)  # at the trace's end, or if it fails
             tensor.shard(model, plan, opts.tp, step.mode, name)
@@ -154,13 +154,28 @@ class RankTrace:
             self._unregister()
 
 
-def _with_positions(inputs: Any, mode: Any) -> Any:
-    """A decoder's keyword inputs with ``position_ids`` (``0 … seq − 1``) when they have none."""
+def _with_positions(inputs: Any, mode: Any, known: bool = True) -> Any:
+    """A decoder's keyword inputs with ``position_ids`` (``0 … seq − 1``) when they have none; token ids given as one
+    tensor become ``input_ids`` beside them (the model is called with them as keywords, as ``model(ids)`` binds them):
+    the rotary embedding's cos and sin then follow the whole sequence's positions, not the sequence shard a
+    sequence-parallel rank sees. ``known``: the positions carry their values (``fake/known_values.py``), as the
+    positions a decoder makes from ``arange`` do — transformers reads them to tell packed sequences apart, and
+    positions it cannot read make it build an explicit causal mask over the sequence shard a sequence-parallel rank
+    sees, which its attention over the whole sequence cannot take (under checkpointing, or with labels). A pipeline's
+    stages (tensor × pipeline parallelism) take them unknown: their masks are what real gloo ranks hold
+    (``tests/estimator/parallel/test_real_ranks.py``)."""
+    if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 and not inputs.is_floating_point():
+        inputs = {"input_ids": inputs}
     if not isinstance(inputs, dict) or "position_ids" in inputs or "input_ids" not in inputs:
         return inputs
     seq = inputs["input_ids"].shape[1]
     with mode:
-        return {**inputs, "position_ids": torch.arange(seq).unsqueeze(0)}
+        positions = torch.arange(seq).unsqueeze(0)
+    if known:
+        from ..fake.known_values import attach
+
+        attach(positions, torch.arange(seq).unsqueeze(0))
+    return {**inputs, "position_ids": positions}
 
 
 def stage_loss(step: Any, model: nn.Module, cut: pipeline.Split, labels: Any, m: int) -> Any:

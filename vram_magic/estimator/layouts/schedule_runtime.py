@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from ...engine.hooks.pipeline import MERGED, outputs_role, received_role
+from ...engine.hooks.pipeline import MERGED, outputs_role
 from ..tracing.tracer import BACKWARD, FORWARD, LOSS
-from .pipeline import SCHEDULE_CLASSES, StageOnRank
+from .pipeline import SCHEDULE_CLASSES, StageOnRank, receive_claims
 
 
 def runtime_actions(schedule: str, rank: int, ranks: int, m: int, n_stages: int) -> list[tuple[str, int, int]]:
@@ -62,11 +62,7 @@ class RuntimeRank:
 
     def claims(self) -> list[tuple[torch.Tensor, tuple[str, str]]]:
         """The receive buffers, alive from the first step on."""
-        out = []
-        for s in self.stages.values():
-            out += [(t, received_role(s.index, "activations")) for t in s.received]
-            out += [(t, received_role(s.index, "gradients")) for t in s.grads_in]
-        return out
+        return receive_claims(self.stages.values())
 
     def run(self, step: Any, batch: Any, last: bool) -> None:
         """One step's actions (``batch``: the first stage's input)."""

@@ -35,6 +35,7 @@ from ...engine.phases import Phase
 from ..torch_private import dtensor_shape_runs, offline_mesh, pop_mode, push_mode, register_group
 from ..tracing.errors import EstimateError
 from ..tracing.tracer import StepObserver, StepTracer
+from .foreach import foreach_locally, is_pointwise_foreach
 
 #: what the default plan says of itself in the notes
 DEFAULT_NOTE = ("tensor parallelism: torchtitan's plan for its Llama under transformers' names (attention q/k/v "
@@ -272,6 +273,10 @@ class TensorParallelTracer(StepTracer):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if types and any(is_dtensor_type(t) for t in types):
+            if is_pointwise_foreach(func) and not self.propagating:
+                done = foreach_locally(self, func, args, kwargs or {})
+                if done is not NotImplemented:
+                    return done
             return NotImplemented
         if self.propagating:
             # DTensor works out an op's output shape by running it on fake tensors of the global shapes, with the

@@ -36,6 +36,9 @@ class Choice:
     # reduce-scatters in fp32; the class is traced as one FSDP2 rank (layouts/fsdp.py)
     param_dtype: torch.dtype | None = None
     levers: tuple[str, ...] = ()  # the recipes' levers (recipes.py); ``checkpointing="ops"`` is op-level checkpointing
+    cp: int = 1  # context-parallel ranks (the sequence sharded over them)
+    schedule: str = "1f1b"  # the pipeline's schedule (pp ≥ 2)
+    replicas: int = 1  # HSDP: the data-parallel ranks shard inside a host and replicate over this many hosts
 
     @property
     def per_rank(self) -> int:
@@ -44,23 +47,30 @@ class Choice:
     def trace_class(self) -> tuple[Any, ...]:
         """What changes the fake run besides the micro-batch and accumulation."""
         return (self.checkpointing, self.amp, self.lora, self.quantize, self.optimizer, self.tp, self.pp) + \
-            ((self.param_dtype,) if self.param_dtype is not None else ()) + ((self.levers,) if self.levers else ())
+            ((self.param_dtype,) if self.param_dtype is not None else ()) + ((self.levers,) if self.levers else ()) + \
+            ((self.cp, self.schedule) if self.cp > 1 or self.pp > 1 else ())
+
+    def shards(self, gpus: int) -> int:
+        """The ranks a ZeRO stage shards over: the data-parallel and context-parallel ranks (a host's under HSDP)."""
+        return max(gpus // (self.tp * self.pp) // self.replicas, 1)
+
+    def data_parallel(self, gpus: int) -> int:
+        """The data-parallel ranks (replicas of one model, each a batch of its own)."""
+        return max(gpus // (self.tp * self.pp * self.cp), 1)
 
     def options(self, base: Options, gpus: int) -> Options:
         if self.levers or self.checkpointing == "ops":
             plain = replace(self, levers=(), checkpointing=True if self.checkpointing == "ops" else self.checkpointing)
             return plain.options(base, gpus).with_(**lever_options(self.levers, self.checkpointing))
-        if self.tp > 1 or self.pp > 1:  # the micro-batches are the pipeline's; ZeRO, if any, over the dp ranks
-            return base.with_(batch=self.per_rank, accumulate=self.accumulate if self.pp == 1 else 1,
-                              checkpointing=self.checkpointing, zero=self.zero,
-                              world=gpus, offload=self.offload, amp=self.amp, lora=self.lora, quantize=self.quantize,
-                              optimizer=self.optimizer if self.optimizer is not None else base.optimizer,
-                              tp=self.tp, pp=self.pp, micro_batches=self.accumulate if self.pp > 1 else None)
         fsdp2 = {"param_dtype": self.param_dtype, "reduce_dtype": torch.float32} if self.param_dtype else {}
-        return base.with_(batch=self.per_rank, accumulate=self.accumulate, checkpointing=self.checkpointing,
-                          zero=self.zero, world=gpus if gpus > 1 else 1, offload=self.offload, amp=self.amp,
+        # the micro-batches are the pipeline's; ZeRO, if any, over the dp × cp ranks (an HSDP replica's)
+        return base.with_(batch=self.per_rank, accumulate=self.accumulate if self.pp == 1 else 1,
+                          checkpointing=self.checkpointing, zero=self.zero,
+                          world=gpus // self.replicas if gpus > 1 else 1, offload=self.offload, amp=self.amp,
                           lora=self.lora, quantize=self.quantize,
-                          optimizer=self.optimizer if self.optimizer is not None else base.optimizer, **fsdp2)
+                          optimizer=self.optimizer if self.optimizer is not None else base.optimizer,
+                          tp=self.tp, pp=self.pp, cp=self.cp, micro_batches=self.accumulate if self.pp > 1 else None,
+                          schedule=self.schedule if self.pp > 1 else "1f1b", **fsdp2)
 
 
 @dataclass(frozen=True)
@@ -161,13 +171,17 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
     if c.zero:
         what = {1: "ZeRO-1 (optimizer state sharded)", 2: "ZeRO-2 (optimizer state and gradients sharded)",
                 3: "FSDP / ZeRO-3 (everything sharded)"}[c.zero]
-        changes.append(f"{what} × {gpus}")
+        changes.append(f"{what} × {c.shards(gpus)}" + (f" in each host, {c.replicas} replicas (HSDP)"
+                                                        if c.replicas > 1 else ""))
         code.append({1: "torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW)",
                      2: "deepspeed.initialize(model=model, config={'zero_optimization': {'stage': 2}, ...})",
                      3: "from torch.distributed.fsdp import fully_shard\nfor block in blocks: fully_shard(block)\n"
                         "fully_shard(model)"}[c.zero] if c.param_dtype is None else _fsdp2_code(c))
-    elif gpus // (c.tp * c.pp) > 1:
-        changes.append(f"DDP × {gpus // (c.tp * c.pp)}")
+        if c.replicas > 1:
+            code.append(f"mesh = init_device_mesh('cuda', ({c.replicas}, {c.shards(gpus)}), "
+                        "mesh_dim_names=('replicate', 'shard'))  # HSDP: fully_shard(..., mesh=mesh)")
+    elif c.data_parallel(gpus) * c.cp > 1:
+        changes.append(f"DDP × {c.data_parallel(gpus) * c.cp}")
         code.append("model = torch.nn.parallel.DistributedDataParallel(model)")
     if c.offload:
         changes.append("optimizer state on the host")
@@ -175,8 +189,8 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
             code.append(f"deepspeed config: {{'zero_optimization': {{'stage': {c.zero or 1}, "
                         "'offload_optimizer': {'device': 'cpu'}}}")
         trade.append("the update runs on the CPU and gradients and weights cross PCIe every step")
-    if c.global_batch and c.per_rank * gpus // (c.tp * c.pp) != c.global_batch:
-        changes.append(f"global batch {c.per_rank * gpus // (c.tp * c.pp)}")
+    if c.global_batch and c.per_rank * c.data_parallel(gpus) != c.global_batch:
+        changes.append(f"global batch {c.per_rank * c.data_parallel(gpus)}")
     name = ", ".join(changes) if changes else "as it is"
     return Facts(name, tuple(changes), tuple(numerics), tuple(code), tuple(trade))
 
@@ -216,26 +230,49 @@ def _fsdp2_code(c: Choice) -> str:
             "for block in blocks: fully_shard(block, mp_policy=mp)\nfully_shard(model, mp_policy=mp)")
 
 
+#: the pipeline schedules' names and PyTorch classes
+SCHEDULE_NAMES = {"1f1b": ("1F1B", "Schedule1F1B"), "interleaved": ("interleaved 1F1B", "ScheduleInterleaved1F1B"),
+                  "zbv": ("ZB-V", "ScheduleZBVZeroBubble"), "gpipe": ("GPipe", "ScheduleGPipe"),
+                  "interleaved-zb": ("interleaved zero bubble", "ScheduleInterleavedZeroBubble"),
+                  "dualpipev": ("DualPipeV", "ScheduleDualPipeV")}
+
+
 def model_parallel_facts(c: Choice, gpus: int) -> tuple[list[str], list[str], list[str], list[str]]:
-    """``(changes, numerics, code, trade-offs)`` of ``c``'s tensor and pipeline parallelism."""
+    """``(changes, numerics, code, trade-offs)`` of ``c``'s tensor, context and pipeline parallelism."""
     changes: list[str] = []
     code: list[str] = []
     trade: list[str] = []
     if c.tp > 1:
         changes.append(f"tensor parallel × {c.tp}")
         code.append("from torch.distributed.tensor.parallel import parallelize_module\n"
-                    f"mesh = init_device_mesh('cuda', ({gpus // (c.tp * c.pp) * c.pp}, {c.tp}))  # (dp·pp, tp)\n"
+                    f"mesh = init_device_mesh('cuda', ({gpus // c.tp}, {c.tp}), mesh_dim_names=('rest', 'tp'))\n"
                     "parallelize_module(model, mesh['tp'], plan)  # plan: ColwiseParallel / RowwiseParallel styles")
         trade.append(f"two all-reduces of each block's activations in the forward and two in the backward across "
                      f"{c.tp} GPUs: worth it over NVLink, slow across hosts")
+    if c.cp > 1:
+        changes.append(f"context parallel × {c.cp}")
+        code.append("from torch.distributed.tensor.experimental import context_parallel\n"
+                    "with context_parallel(mesh['cp'], buffers=[ids, labels], buffer_seq_dims=[1, 1]):\n"
+                    "    loss = model(input_ids=ids, labels=labels).loss  # SDPA becomes ring attention")
+        trade.append(f"each attention's keys and values gathered from the {c.cp} context-parallel ranks (and their "
+                     "gradients sent back) in every forward and backward")
     if c.pp > 1:
-        changes.append(f"pipeline × {c.pp} ({c.accumulate} micro-batches of {c.micro}, 1F1B)")
-        code.append("from torch.distributed.pipelining import PipelineStage, Schedule1F1B\n"
-                    "stage = PipelineStage(my_blocks, rank, num_stages, device)\n"
-                    f"Schedule1F1B(stage, n_microbatches={c.accumulate}, loss_fn=loss_fn).step(batch)")
-        bubble = (c.pp - 1) / (c.accumulate + c.pp - 1)
-        trade.append(f"the pipeline's bubble: each stage idles (p − 1)/(m + p − 1) = {100 * bubble:.0f} % of the "
-                     "step; the first stage holds p micro-batches' activations")
+        name, cls = SCHEDULE_NAMES.get(c.schedule, (c.schedule, "Schedule1F1B"))
+        changes.append(f"pipeline × {c.pp} ({c.accumulate} micro-batches of {c.micro}, {name})")
+        code.append(f"from torch.distributed.pipelining import PipelineStage, {cls}\n"
+                    "stage = PipelineStage(my_blocks, rank, num_stages, device)  # torchtitan: pipeline_llm\n"
+                    f"{cls}(stage, n_microbatches={c.accumulate}, loss_fn=loss_fn).step(batch)")
+        if c.schedule in ("zbv", "dualpipev"):
+            left = "" if c.accumulate >= 2 * c.pp else \
+                f"; with fewer than 2p = {2 * c.pp} micro-batches a bubble of (p − 1)/(2m) = " \
+                f"{100 * (c.pp - 1) / (2 * c.accumulate):.0f} % of its work is left"
+            trade.append("ZB-V: two stages a rank in a V, the backward split into input and weight gradients to fill "
+                         f"the pipeline's bubble{left}; twice the pipeline's sends")
+        else:
+            v = 2 if c.schedule == "interleaved" else 1
+            bubble = (c.pp - 1) / (v * c.accumulate)
+            trade.append(f"the pipeline's bubble: each stage idles (p − 1)/({'v·' if v > 1 else ''}m) = "
+                         f"{100 * bubble:.0f} % of its work; the first stage holds p micro-batches' activations")
     return changes, [], code, trade
 
 

@@ -32,7 +32,7 @@ from ..device import Target, make_target
 from ..fake.request import Request
 from ..layouts.zero import ZeroLayout
 from ..options import Options, make_options, optimizer_name, short_dtype
-from ..timing.cost import OpTimes, StepTime
+from ..timing.cost import GPUS_PER_HOST, OpTimes, StepTime
 from ..timing.step_time import Network, micro_ops, network_for, rates_for, scaled_micro_ops, step_time
 from ..tracing.errors import EstimateError
 from .choices import Choice, describe
@@ -104,6 +104,10 @@ class Planner:
     def say(self, text: str) -> None:
         if self.progress is not None:
             self.progress(text)
+
+    @property
+    def traced(self) -> int:
+        return self.workload.traced
 
     def options(self, c: Choice) -> Options:
         return c.options(self.base, self.gpus)
@@ -243,11 +247,15 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
          device: str = "cuda", allow: Any = (), interconnect: Any = None, generate: int | None = None,
          top: int | None = 10,
          optimizer: Any = "adamw", loss_fn: Any = None, dtype: Any = None, budget: Any = None,
-         name: str | None = None, progress: Callable[[str], None] | None = None) -> Plan:
+         name: str | None = None, progress: Callable[[str], None] | None = None, host_size: int = GPUS_PER_HOST,
+         tp: int | None = None, pp: int | None = None, cp: int | None = None) -> Plan:
     """:func:`vram_magic.plan`; see its documentation."""
     t0 = time.perf_counter()
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a whole number ≥ 1, not {gpus!r}")
+    if isinstance(host_size, bool) or not isinstance(host_size, int) or host_size < 1:
+        raise ValueError(f"host_size must be a whole number ≥ 1 (the GPUs one host holds), not {host_size!r}")
+    fixed = {k: v for k, v in (("tp", tp), ("pp", pp), ("cp", cp)) if v is not None}
     if device == "cuda" and gpu is None:
         raise ValueError("plan() needs the GPU to time the step on: give gpu='A100-80GB' (or another known GPU)")
     if device != "cuda" and gpus != 1:
@@ -277,9 +285,15 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
         raise ValueError(f"global_batch must be a whole number ≥ 1, not {global_batch!r}")
     if global_batch % gpus:
         raise ValueError(f"global batch {global_batch} does not split over {gpus} GPUs: give a multiple of {gpus}")
-    net = network_for(target.gpu, gpus, interconnect)
-    planner = Planner(request, base, target, gpus, net, progress)
+    net = network_for(target.gpu, gpus, interconnect, host_size)
     half = torch.bfloat16 if target.gpu is None or target.gpu.has_bf16 else torch.float16
+    if fixed and (device != "cuda" or gpus < 2):
+        raise ValueError(f"{', '.join(f'{k}={v}' for k, v in fixed.items())}: a layout across GPUs; give gpus= (≥ 2) "
+                         "with it")
+    if device == "cuda" and gpus > 1 and (gpus > host_size or "parallel" in allowed or fixed):
+        return _plan_layouts(request, base, target, gpus, net, host_size, global_batch, tokens, top, half, fixed,
+                             progress, t0)
+    planner = Planner(request, base, target, gpus, net, progress)
     first = planner.anchor(Choice(global_batch // gpus, 1, False, None, False, None, base.lora, base.quantize, None,
                                   global_batch))
     blocks = len(first.trace.unit_param_bytes)
@@ -296,6 +310,34 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
                                         "(optimizer in backward, the loss in chunks, op-level checkpointing, "
                                         "activations on the host on CUDA), which keep the training's math"))
     return result
+
+
+def _plan_layouts(request: Request, base: Options, target: Target, gpus: int, net: Network, host: int,
+                  global_batch: int, tokens: int, top: int, half: Any, fixed: dict[str, Any],
+                  progress: Callable[[str], None] | None, t0: float) -> Plan:
+    """The search over layouts across GPUs in hosts (``layout_planner.py``)."""
+    from ..fake.frameworks import fake_run
+    from .depth import survey
+    from .layout_planner import LayoutPlanner, search_space
+
+    with fake_run() as mode:
+        found = survey(request, mode, base.dtype)
+    seq = tokens or None
+    space = search_space(base, found, gpus, host, global_batch, seq, half, fixed)
+    if not space:
+        raise ValueError(f"no layout of {gpus} GPUs splits a global batch of {global_batch}: give a global batch that "
+                         "the data-parallel degree divides")
+    planner = LayoutPlanner(request, base, target, gpus, net, host, found, seq, progress)
+    planner.say(f"screening {len(space)} combinations")
+    result = _rank(planner, space, top, tokens, request, t0)
+    notes = list(result.notes)
+    notes.append(f"the screen traced each trace class on the model's first {' and '.join(map(str, planner.depths))} "
+                 f"of its {found.blocks} blocks and took what one block adds as every block's: its figures are "
+                 "interpolated (Plan.scored[i].exact is False); every row shown is estimated exactly on the whole "
+                 "model")
+    for what, why in planner.failures.items():
+        notes.append(f"not searched: {what} ({why})")
+    return replace(result, notes=tuple(notes))
 
 
 def lever_space(base: Options, per_rank: int, global_batch: int, gpus: int, allow: frozenset[str],
@@ -319,7 +361,7 @@ def lever_space(base: Options, per_rank: int, global_batch: int, gpus: int, allo
     return lever_choices(make, base, per_rank, layouts, precisions, optimizers, micro_sizes)
 
 
-def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request: Request, t0: float) -> Plan:
+def _rank(planner: Any, space: list[Choice], top: int, tokens: int, request: Request, t0: float) -> Plan:
     """Screen, then estimate exactly the fastest that fit until ``top`` of them do. A checkpointed combination's class
     is traced only when its turn comes: until then its time is bounded below by the same combination without
     checkpointing (its trace's ops, and the checkpointed blocks' forward once more), and a class whose bound stays
@@ -345,6 +387,9 @@ def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request:
             screened(c)
     rows: list[PlanRow] = []
     exact: dict[Choice, tuple[Any, StepTime]] = {}
+    affordable = getattr(planner, "affordable", lambda c: True)
+    still_fits = getattr(planner, "still_fits", lambda c: True)
+    skipped: list[Choice] = []  # screened to fit, faster than rows shown, too dear to estimate exactly
     while queue and len(rows) < top and len(exact) < MAX_EXACT:  # the fastest the screen says fit, exactly
         _, i, known = heapq.heappop(queue)
         c = space[i]
@@ -352,7 +397,12 @@ def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request:
             for d in waiting.pop(c.trace_class(), []):
                 screened(d)
             continue
-        planner.say(f"estimating {describe(c, planner.base).name} exactly")
+        if not affordable(c):
+            skipped.append(c)
+            continue
+        if not still_fits(c):  # its class's exact estimates so far need more than the screen said: not this one
+            continue
+        planner.say(f"estimating {describe(c, planner.base, gpus=planner.gpus).name} exactly")
         est, t = planner.exact(c)
         exact[c] = (est, t)
         if est.fits:
@@ -372,7 +422,9 @@ def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request:
         for c, _needed in ruled_out:
             if len(rows) >= top or len(exact) >= limit:
                 break
-            planner.say(f"estimating {describe(c, planner.base).name} exactly")
+            if not affordable(c):
+                continue
+            planner.say(f"estimating {describe(c, planner.base, gpus=planner.gpus).name} exactly")
             est, t = exact[c] = planner.exact(c)
             if est.fits:
                 rows.append(_row(c, est, t, planner, tokens, request))
@@ -381,34 +433,54 @@ def _rank(planner: Planner, space: list[Choice], top: int, tokens: int, request:
                          "they were estimated exactly as the closest it ruled out")
     rows.sort(key=lambda r: r.step_time)
     if not rows:  # nothing fits: the closest by the screen, estimated exactly
-        for c, _n in sorted(((c, n) for c, (n, _t) in scored.items()), key=lambda s: (s[1], order[s[0]]))[:top]:
+        closest_few = sorted(((c, n) for c, (n, _t) in scored.items() if affordable(c)),
+                             key=lambda s: (s[1], order[s[0]]))[:top]
+        for c, _n in closest_few:
             if c not in exact:
-                planner.say(f"estimating {describe(c, planner.base).name} exactly")
+                planner.say(f"estimating {describe(c, planner.base, gpus=planner.gpus).name} exactly")
                 exact[c] = planner.exact(c)
-        closest = sorted(exact.items(), key=lambda kv: kv[1][0].needed)[:top]
+        closest = sorted(((c, e) for c, e in exact.items() if e[0].needed < UNFIT),
+                         key=lambda kv: kv[1][0].needed)[:top]
         rows = [_row(c, est, t, planner, tokens, request) for c, (est, t) in closest]
         notes.append("nothing fits: the rows are the combinations that come closest, by what they need")
+    notes += _skipped_notes(planner, skipped, scored)
     marks = {c: (est.needed, t.total) for c, (est, t) in exact.items()}
-    screen = tuple(Scored(describe(c, planner.base).name, marks.get(c, (n, t.total))[0],
+    screen = tuple(Scored(describe(c, planner.base, gpus=planner.gpus).name, marks.get(c, (n, t.total))[0],
                           marks.get(c, (n, t.total))[1], marks.get(c, (n, t.total))[0] <= capacity, c in marks)
                    for c, (n, t) in sorted(scored.items(), key=lambda kv: order[kv[0]]))
     gpu = target.gpu
     return Plan(model=request.name, device=planner.base.device, gpu=gpu.name if gpu is not None else None,
                 gpus=planner.gpus, capacity=capacity, global_batch=space[0].global_batch if space else 0,
                 unit="tokens/s" if tokens else "samples/s", rows=tuple(rows), scored=screen, bounded=bounded,
-                assumptions=_assumptions(planner), notes=tuple(notes), traced=planner.workload.traced,
+                assumptions=_assumptions(planner), notes=tuple(notes), traced=planner.traced,
                 wall_time=time.perf_counter() - t0)
 
 
-def _row(c: Choice, est: Any, t: StepTime, planner: Planner, tokens: int, request: Request) -> PlanRow:
+def _skipped_notes(planner: Any, skipped: list[Choice], scored: dict[Choice, tuple[int, StepTime]]) -> list[str]:
+    """What the plan says of the combinations it screened to fit but did not estimate exactly (their exact estimates
+    trace too many micro-batches of the whole model): the fastest few, with their screened figures."""
+    if not skipped:
+        return []
+    from ...core.units import format_bytes
+
+    shown = "; ".join(f"{describe(c, planner.base, gpus=planner.gpus).name} (screened {scored[c][1].total:.3g} s a "
+                      f"step, {format_bytes(scored[c][0])})" for c in skipped[:3])
+    return [f"{len(skipped)} combinations the screen puts faster than the rows were not estimated exactly: each "
+            f"exact estimate traces every micro-batch of every stage of the whole model "
+            f"({getattr(planner, 'exact_limit', 0):,} blocks' forward and backward at most a plan runs for one): "
+            f"{shown}; estimate(**options) checks one"]
+
+
+def _row(c: Choice, est: Any, t: StepTime, planner: Any, tokens: int, request: Request) -> PlanRow:
     facts = describe(c, planner.base, model=request.source, gpu=planner.target.gpu, gpus=planner.gpus,
                      keyed=isinstance(request.specs, dict))
     per_second = c.global_batch / t.total if t.total > 0 else 0.0
+    comms = getattr(planner, "comms", {}).get(c, ())
     return PlanRow(name=facts.name, options=_kwargs(c, planner), changes=facts.changes, peak=est.peak,
                    needed=est.needed, fits=est.fits, step_time=t.total,
                    throughput=per_second * (tokens or 1), time=t.as_dict(), micro_batch=c.micro,
                    accumulate=c.accumulate, numerics=facts.numerics, code=facts.code,
-                   tradeoffs=facts.tradeoffs + _host_pinned(est))
+                   tradeoffs=facts.tradeoffs + _host_pinned(est), collectives=tuple(comms))
 
 
 def _host_pinned(est: Any) -> tuple[str, ...]:
@@ -422,7 +494,7 @@ def _host_pinned(est: Any) -> tuple[str, ...]:
             "at their peak)",)
 
 
-def _kwargs(c: Choice, planner: Planner) -> dict[str, Any]:
+def _kwargs(c: Choice, planner: Any) -> dict[str, Any]:
     """The :func:`vram_magic.estimate` keyword arguments that give the row's memory."""
     base, target = planner.base, planner.target
     out: dict[str, Any] = {"optimizer": c.optimizer or base.optimizer, "batch": c.per_rank, "device": base.device}
@@ -434,19 +506,24 @@ def _kwargs(c: Choice, planner: Planner) -> dict[str, Any]:
         out["checkpointing"] = c.checkpointing
     if c.accumulate > 1:
         out["accumulate"] = c.accumulate
+    world = planner.gpus // c.replicas
     if c.zero:
-        out.update(zero=c.zero, world=planner.gpus)
+        out.update(zero=c.zero, world=world)
     elif planner.gpus > 1:
-        out["world"] = planner.gpus
+        out["world"] = world
     if c.offload:
         out["offload"] = True
     if c.param_dtype is not None:
         out.update(param_dtype=short_dtype(c.param_dtype), reduce_dtype="fp32")
     if c.tp > 1:
         out["tp"] = c.tp
+    if c.cp > 1:
+        out["cp"] = c.cp
     if c.pp > 1:  # the pipeline's micro-batches, not accumulation
         out.pop("accumulate", None)
         out.update(pp=c.pp, micro_batches=c.accumulate)
+        if c.schedule != "1f1b":
+            out["schedule"] = c.schedule
     if c.lora:
         out["lora"] = c.lora
     if c.quantize:
@@ -459,12 +536,22 @@ def _kwargs(c: Choice, planner: Planner) -> dict[str, Any]:
     return out
 
 
-def _assumptions(planner: Planner) -> tuple[str, ...]:
+def _assumptions(planner: Any) -> tuple[str, ...]:
     out = [planner.rates.assumptions]
-    if planner.gpus > 1:
-        out.append(f"{planner.gpus} GPUs over {planner.net.name}; ring collectives at 80 % of it")
-    out.append("no overlap assumed: communication, offload's transfers and the host's update add to the step "
-               "(FSDP and DDP overlap much of their communication with compute: an upper bound)")
+    host = getattr(planner, "host", None)
+    if host is not None:
+        out.append(f"{planner.gpus} GPUs in hosts of {host}: NVLink inside a host ({planner.intra.name}), "
+                   f"{planner.net.name} between hosts; ring collectives at 80 % of the link")
+        out.append("overlap as the runtime does it: FSDP prefetches each block's all-gather during the block before "
+                   "and reduce-scatters during the next block's backward (the first gather and the last "
+                   "reduce-scatter exposed); DDP's and ZeRO's gradient buckets overlap the last backward (the last "
+                   "bucket exposed); tensor-parallel, context-parallel and pipeline communication exposed, with the "
+                   "pipeline's bubble; each row's collectives say what each leaves exposed")
+    else:
+        if planner.gpus > 1:
+            out.append(f"{planner.gpus} GPUs over {planner.net.name}; ring collectives at 80 % of it")
+        out.append("no overlap assumed: communication, offload's transfers and the host's update add to the step "
+                   "(FSDP and DDP overlap much of their communication with compute: an upper bound)")
     return tuple(out)
 
 

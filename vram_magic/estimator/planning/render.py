@@ -62,14 +62,29 @@ def _footer(p: Plan) -> list[str]:
     return lines
 
 
+#: what a partial row says under it (a plan always has a capacity: a row whose fit is not known stopped early)
+PARTIAL = ("PARTIAL: the step stopped at an op fake tensors cannot run; needed is a lower bound and whether it fits is "
+           "not known (estimate(model, inputs, **row.options) names the op)")
+
+
+def _partial(r: PlanRow) -> bool:
+    return r.fits is None
+
+
+def _needed(r: PlanRow) -> str:
+    return ("≥ " if _partial(r) else "") + format_bytes(r.needed)
+
+
 def plan_text(p: Plan) -> str:
     out = [heading(p)]
-    out.append(f"   {'plan':<52}{'needed':>11}  fits  {'step':>9}  {p.unit:>10}  where the time goes")
+    w = 7 if any(_partial(r) for r in p.rows) else 4
+    out.append(f"   {'plan':<52}{'needed':>11}  {'fits':<{w}}  {'step':>9}  {p.unit:>10}  where the time goes")
     for i, r in enumerate(p.rows):
-        fits = "yes" if r.fits else "no"
-        out.append(f"{i:>2} {r.name[:52]:<52}{format_bytes(r.needed):>11}  {fits:<4}  {seconds(r.step_time):>9}  "
+        fits = "yes" if r.fits else "partial" if _partial(r) else "no"
+        out.append(f"{i:>2} {r.name[:52]:<52}{_needed(r):>11}  {fits:<{w}}  {seconds(r.step_time):>9}  "
                    f"{rate(r.throughput):>10}  {_parts(r)}")
-        extra = [f"numerics: {'; '.join(r.numerics)}"] if r.numerics else []
+        extra = [PARTIAL] if _partial(r) else []
+        extra += [f"numerics: {'; '.join(r.numerics)}"] if r.numerics else []
         extra += [f"costs: {t}" for t in r.tradeoffs]
         out += [f"     {line}" for line in extra]
     if not p.rows:
@@ -87,13 +102,14 @@ def plan_html(p: Plan) -> str:
                                  for h, a, w in heads])]
     for i, r in enumerate(p.rows):
         fits = (Cell(f'<span style="{GOOD};font-weight:bold">✔ fits</span>', "✔ fits", 6) if r.fits else
-                Cell(f'<span style="{BAD};font-weight:bold">✘ no</span>', "✘ no", 6))
-        notes = "; ".join([*r.numerics, *r.tradeoffs])
+                Cell(f'<span class="vram-partial" style="{BAD};font-weight:bold">⚠ partial</span>', "⚠ partial", 9)
+                if _partial(r) else Cell(f'<span style="{BAD};font-weight:bold">✘ no</span>', "✘ no", 6))
+        notes = "; ".join([*([PARTIAL] if _partial(r) else []), *r.numerics, *r.tradeoffs])
         lines.append(("vram-plan-row", [
             Cell(str(i), str(i), 2, "right", num),
             Cell(html.escape(r.name) + (f'<div style="{MUTED}">{html.escape(notes)}</div>' if notes else ""), r.name,
                  name_w, style="white-space:normal;min-width:16em;padding-right:0.9em"),
-            Cell(format_bytes(r.needed), format_bytes(r.needed), 10, "right", num), fits,
+            Cell(_needed(r), _needed(r), 10, "right", num), fits,
             Cell(seconds(r.step_time), seconds(r.step_time), 9, "right", num),
             Cell(rate(r.throughput), rate(r.throughput), 10, "right", num),
             Cell(html.escape(_parts(r)), _parts(r), style=f"white-space:normal;min-width:10em;{MUTED}")]))

@@ -39,6 +39,7 @@ class PlanRow:
     code: tuple[str, ...] = ()  # what to write in the training loop
     tradeoffs: tuple[str, ...] = ()  # what it costs besides time
     exact: bool = True
+    collectives: tuple[Any, ...] = ()  # timing.overlap.Collective: each kind's seconds, how much is exposed, and why
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ HOST_ADAM_RATE = 1.4e9
 GPUS_PER_HOST = 8
 
 _OPTIMIZER_STAGES = frozenset({int(Phase.OPTIMIZER), int(Phase.ZERO_GRAD)})
+_BACKWARD = int(Phase.BACKWARD)
 _COMPUTE_KINDS = frozenset({MATMUL, ATTENTION, CONV})
 
 
@@ -72,6 +73,25 @@ class OpTimes:
 def time_ops(log: OpLog, rates: Rates, start: int = 0, end: int | None = None) -> OpTimes:
     """Every op of ``log`` from row ``start`` on (to row ``end``), timed on ``rates``: by the device's own rules
     (``rates.op_time``) where it has them and the log has every column, else by the generic formula."""
+    return _sorted(_timed(log, rates, start, end))
+
+
+def forward_backward(log: OpLog, rates: Rates, start: int = 0) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of ``log``'s ops from row ``start`` on: the forward's and the loss's ops, and
+    the backward's with checkpointing's recompute (it runs inside the backward); the optimizer's in neither."""
+    forward = backward = 0.0
+    for stage, _kind, again, t in _timed(log, rates, start, None):
+        if stage in _OPTIMIZER_STAGES:
+            continue
+        if again or stage == _BACKWARD:
+            backward += t
+        else:
+            forward += t
+    return forward, backward
+
+
+def _timed(log: OpLog, rates: Rates, start: int, end: int | None) -> Iterable[tuple[int, int, bool, float]]:
+    """``(stage, kind, recomputed, seconds)`` of each op of ``log`` from row ``start`` (to ``end``)."""
     if rates.op_time is not None and log.full():
         op_time = rates.op_time
         timed = ((row[0], row[1], row[3], op_time(*row)) for row in log.rows_full(start, end))
@@ -87,7 +107,7 @@ def time_ops(log: OpLog, rates: Rates, start: int = 0, end: int | None = None) -
         rows = log.rows(start) if end is None else log.slice(start, end).rows()
         timed = ((stage, kind, again, generic(dtype, flops, nbytes))
                  for stage, kind, dtype, again, flops, nbytes in rows)
-    return _sorted(timed)
+    return timed
 
 
 def op_counts(log: OpLog, start: int = 0) -> OpTimes:

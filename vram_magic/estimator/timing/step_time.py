@@ -51,17 +51,18 @@ class Network:
     name: str
 
 
-def network_for(gpu: GPU | None, gpus: int, interconnect: Any = None) -> Network:
-    """The network of ``gpus`` GPUs like ``gpu``; ``ValueError`` where one spanning hosts is not named."""
+def network_for(gpu: GPU | None, gpus: int, interconnect: Any = None, host: int = GPUS_PER_HOST) -> Network:
+    """The network of ``gpus`` GPUs like ``gpu`` in hosts of ``host``; ``ValueError`` where one spanning hosts is not
+    named."""
     if gpu is None:
         return Network(0.0, 0.0, 1, "none (one CPU)")
     pcie = gpu.host_link
-    per_host = min(gpus, GPUS_PER_HOST)
+    per_host = min(gpus, host)
     intra = gpu.link or pcie
     intra_name = "NVLink" if gpu.link and gpu.capability is not None else ("Infinity Fabric" if gpu.link else "PCIe")
     if interconnect is None:
-        if gpus > GPUS_PER_HOST:
-            raise ValueError(f"gpus={gpus} spans hosts ({GPUS_PER_HOST} GPUs a host): say how they are connected, "
+        if gpus > host:
+            raise ValueError(f"gpus={gpus} spans hosts ({host} GPUs a host): say how they are connected, "
                              f"e.g. interconnect='infiniband-400g' ({', '.join(INTERCONNECTS)}, or a bandwidth in "
                              "bytes/s per GPU)")
         return Network(intra, pcie, per_host, f"{intra_name} {intra / GB:.0f} GB/s per direction")
@@ -82,7 +83,7 @@ def network_for(gpu: GPU | None, gpus: int, interconnect: Any = None) -> Network
     else:
         raise ValueError(f"unknown interconnect {interconnect!r}; use one of {', '.join(INTERCONNECTS)}, or a "
                          "bandwidth in bytes/s per GPU")
-    if gpus > GPUS_PER_HOST and interconnect not in ("nvlink", "pcie"):
+    if gpus > host and interconnect not in ("nvlink", "pcie"):
         link = min(link, intra)  # the ring crosses the hosts' links and the GPUs' own
     return Network(link, pcie, per_host, name)
 
