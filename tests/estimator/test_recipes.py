@@ -321,6 +321,8 @@ def test_bad_recipes_say_what_to_do():
         vram_magic.estimate(mlp, torch.randn(4, 8), step=plain_step, accumulate=2)
     with pytest.raises(ValueError, match="drop loss_fn"):
         vram_magic.estimate(mlp, torch.randn(4, 8), step=plain_step, loss_fn=lambda out: out.sum())
+    with pytest.raises(ValueError, match="not traced under FSDP2's own MixedPrecisionPolicy"):
+        vram_magic.estimate(mlp, torch.randn(4, 8), step=plain_step, zero=3, world=2, param_dtype="bf16")
     with pytest.raises(ValueError, match="cannot take accumulate"):
         vram_magic.estimate(mlp, torch.randn(4, 8), optimizer_in_backward=True, accumulate=2)
     with pytest.raises(TypeError, match="is for step=fn"):

@@ -173,7 +173,8 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
          device: str = "cuda", allow: Any = (), interconnect: Any = None, generate: int | None = None,
          top: int | None = 10, optimizer: Any = "adamw", loss_fn: Callable[[Any], Any] | None = None, dtype: Any = None,
          budget: Any = None, name: str | None = None, progress: Callable[[str], None] | None = None,
-         host_size: int = 8, tp: int | None = None, pp: int | None = None, cp: int | None = None) -> Any:
+         host_size: int = 8, tp: int | None = None, pp: int | None = None, cp: int | None = None,
+         step: Callable[[Any, Any, Any], Any] | None = None) -> Any:
     """The fastest ways to make a training step of ``model`` on ``inputs`` fit ``gpus`` GPUs like ``gpu``, ranked by
     predicted step time (a :class:`~vram_magic.estimator.planning.result.Plan`).
 
@@ -202,12 +203,21 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
     ``generate=N``: plan ``model.generate(inputs, max_new_tokens=N)`` instead: the weights' dtype (int8 and nf4 too
     with ``allow="quantize"``), the cache (default, static, int4-quantized, offloaded on CUDA) and the largest batch
     that fits, ranked by tokens/s.
+
+    ``step=fn``: plan your own step, ``fn(model, batch, optimizer)`` as :func:`estimate` takes it, traced and timed as
+    written. Only what the step leaves to the planner is searched: ZeRO-1/2/3 or FSDP over the GPUs and the
+    optimizer's state on the host (``allow="batch"``: half the global batch too); each row's memory is
+    ``estimate(model, inputs, step=fn, **row.options)``. What would rewrite the step (checkpointing, precision,
+    accumulation, the recipes' levers) is not offered, and ``step=`` with ``allow=`` naming anything else,
+    ``generate=``, ``loss_fn=`` or ``tp=``/``pp=``/``cp=`` is a ``ValueError``. ``optimizer`` may then be a callable
+    ``model -> what fn receives``.
     """
     from .planning.planner import plan as run
 
     return run(model, inputs, gpu=gpu, gpus=gpus, global_batch=global_batch, device=device, allow=allow,
                interconnect=interconnect, generate=generate, top=top, optimizer=optimizer, loss_fn=loss_fn,
-               dtype=dtype, budget=budget, name=name, progress=progress, host_size=host_size, tp=tp, pp=pp, cp=cp)
+               dtype=dtype, budget=budget, name=name, progress=progress, host_size=host_size, tp=tp, pp=pp, cp=cp,
+               step=step)
 
 
 __all__ = ["GPU", "GPUS", "CudaModel", "Estimate", "EstimateError", "GenerateEstimate", "ParallelEstimate",

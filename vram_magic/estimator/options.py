@@ -348,6 +348,11 @@ def make_options(
     fsdp2 = parse_fsdp2(param_dtype, reduce_dtype, offload, float8, zero=zero, amp=am, master=master, tp=tp, pp=pp,
                         inference=inference)
     offload = fsdp2.pop("offload")
+    if step is not None and (fsdp2["param_dtype"] is not None or fsdp2["reduce_dtype"] is not None
+                             or fsdp2["offload_params"]):
+        raise ValueError("step= is not traced under FSDP2's own MixedPrecisionPolicy or CPUOffloadPolicy yet: drop "
+                         "param_dtype, reduce_dtype and offload='params' (zero=3 alone shards as FSDP does), or drop "
+                         "step= to have the built-in step use them")
     if inference and (accumulate > 1 or zero is not None or offload):
         raise ValueError("accumulate, zero/fsdp and offload apply to training; drop them with inference=True")
     quant, rank = parse_quantize(quantize), parse_lora(lora)

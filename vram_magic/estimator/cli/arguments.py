@@ -295,7 +295,7 @@ def parallel_options(args: Any, ns: dict[str, Any]) -> dict[str, Any]:
 # the options of %vram_plan and python -m vram_magic plan: the model, its inputs and loss as for an estimate, then
 # what the plan is for
 _SHARED = ("model", "--input", "--shape", "--batch", "--vocab", "--loss", "--optimizer", "--dtype", "--device",
-           "--budget")
+           "--budget", "--step")
 PLAN_OPTIONS: list[tuple[tuple[str, ...], dict[str, Any]]] = [o for o in OPTIONS if o[0][0] in _SHARED] + [
     (("--gpu",), {"help": "the GPU to train on, from the catalogue (A100-80GB, L4, T4, ...)"}),
     (("--gpus",), {"type": int, "default": 1, "metavar": "N", "help": "how many of them (data parallel)"}),
@@ -332,4 +332,6 @@ def build_plan(args: Any, ns: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]
                                   optimizer=optimizer, dtype=args.dtype, budget=args.budget)
     if args.loss:
         kwargs["loss_fn"] = evaluate(args.loss, ns, "--loss")
+    if args.step:  # your own step, planned as written
+        kwargs["step"] = evaluate(args.step, ns, "--step")
     return model, inputs, kwargs

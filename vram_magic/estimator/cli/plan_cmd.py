@@ -30,7 +30,8 @@ def main(argv: list[str]) -> int:
 
 def as_json(p: Any) -> dict[str, Any]:
     return {
-        "model": p.model, "gpu": p.gpu, "gpus": p.gpus, "capacity": p.capacity, "global_batch": p.global_batch,
+        "model": p.model, "step": p.step, "gpu": p.gpu, "gpus": p.gpus, "capacity": p.capacity,
+        "global_batch": p.global_batch,
         "unit": p.unit, "calibration": p.calibration, "assumptions": list(p.assumptions), "notes": list(p.notes),
         "scored": len(p.scored), "bounded": p.bounded, "traced": p.traced,
         "rows": [{"name": r.name, "options": {k: (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))

@@ -73,6 +73,19 @@ class Choice:
                           schedule=self.schedule if self.pp > 1 else "1f1b", **fsdp2)
 
 
+def searched_batches(global_batch: int, gpus: int, allow: frozenset[str]) -> list[int]:
+    """The global batches searched: the one asked for, and half of it where ``allow`` has ``"batch"``."""
+    half = global_batch // 2
+    return [global_batch] + ([half] if "batch" in allow and half >= gpus and half % gpus == 0 else [])
+
+
+def searched_layouts(base: Options, gpus: int) -> list[tuple[int | None, bool]]:
+    """``(ZeRO stage, optimizer state on the host)`` searched: no sharding, and ZeRO-1/2/3 over more than one GPU,
+    each with the state on the host on CUDA (a CPU's optimizer state is on the host already)."""
+    offloads = (False, True) if base.device == "cuda" else (False,)
+    return [(None, o) for o in offloads] + ([(z, o) for z in (1, 2, 3) for o in offloads] if gpus > 1 else [])
+
+
 @dataclass(frozen=True)
 class Facts:
     name: str

@@ -1,5 +1,6 @@
 """A plan as a picture: memory against step time for every combination scored, the GPU's capacity as a line, the rows
-shown marked and the fastest that fits named (matplotlib, imported when drawn)."""
+shown marked (a partial row, an estimate that stopped early, hatched and labelled) and the fastest that fits named
+(matplotlib, imported when drawn)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def plan_figure(p: Plan) -> Any:
         ax.axhline(p.capacity / gib, color="#444444", linestyle="--", linewidth=1)
         ax.annotate(f"{p.gpu or 'budget'} {format_bytes(p.capacity)}", (0.99, p.capacity / gib), xycoords=("axes "
                     "fraction", "data"), ha="right", va="bottom", fontsize=8)
+    partial = [r for r in p.rows if r.fits is None]  # stopped early: needed is a lower bound, the fit not known
+    if partial:
+        ax.scatter([r.step_time for r in partial], [r.needed / gib for r in partial], s=70, marker="s",
+                   facecolors="none", edgecolors="#ff7f0e", hatch="////", linewidths=1.2,
+                   label="PARTIAL: stopped early (needed ≥, fit unknown)")
+        for r in partial:
+            ax.annotate("partial", (r.step_time, r.needed / gib), textcoords="offset points", xytext=(6, 4),
+                        fontsize=7, color="#ff7f0e")
     best = p.best
     if best is not None:
         ax.scatter([best.step_time], [best.needed / gib], s=90, facecolors="none", edgecolors="#2ca02c", linewidths=2,

@@ -35,9 +35,10 @@ from ..options import Options, make_options, optimizer_name, short_dtype
 from ..timing.cost import GPUS_PER_HOST, OpTimes, StepTime
 from ..timing.step_time import Network, micro_ops, network_for, rates_for, scaled_micro_ops, step_time
 from ..tracing.errors import EstimateError
-from .choices import Choice, describe
+from .choices import Choice, describe, searched_batches, searched_layouts
 from .recipes import lever_choices, lever_kwargs
 from .result import Plan, PlanRow, Scored
+from .step_plan import check_step, step_choices, step_name
 
 #: what ``allow=`` may name: LoRA/QLoRA (changes what is trained), weight quantization (with LoRA), another
 #: optimizer, a smaller global batch, tensor and pipeline parallelism over the GPUs, the recipes' levers even when a
@@ -197,14 +198,9 @@ def choices(base: Options, per_rank: int, global_batch: int, gpus: int, allow: f
     optimizers: list[Any] = [None]
     if "optimizer" in allow and optimizer_name(base.optimizer).lower() in ("adam", "adamw"):
         optimizers += ["sgd-momentum", "adafactor"] + (["adamw8bit"] if base.device == "cuda" else [])
-    batches = [global_batch] + ([global_batch // 2] if "batch" in allow and global_batch // 2 >= gpus
-                                and (global_batch // 2) % gpus == 0 else [])
-    offloads = (False, True) if base.device == "cuda" else (False,)  # a CPU's optimizer state is on the host already
-    layouts: list[tuple[int | None, bool]] = [(None, o) for o in offloads]
-    if gpus > 1:
-        layouts += [(z, o) for z in (1, 2, 3) for o in offloads]
+    layouts = searched_layouts(base, gpus)
     out = model_parallel_choices(base, global_batch, gpus, "parallel" in allow)
-    for g in batches:
+    for g in searched_batches(global_batch, gpus, allow):
         rank_batch = g // gpus
         for m in micro_sizes(rank_batch):
             for ck in ckpts:
@@ -248,7 +244,7 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
          top: int | None = 10,
          optimizer: Any = "adamw", loss_fn: Any = None, dtype: Any = None, budget: Any = None,
          name: str | None = None, progress: Callable[[str], None] | None = None, host_size: int = GPUS_PER_HOST,
-         tp: int | None = None, pp: int | None = None, cp: int | None = None) -> Plan:
+         tp: int | None = None, pp: int | None = None, cp: int | None = None, step: Any = None) -> Plan:
     """:func:`vram_magic.plan`; see its documentation."""
     t0 = time.perf_counter()
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
@@ -261,6 +257,8 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
     if device != "cuda" and gpus != 1:
         raise ValueError("device='cpu' plans one process: drop gpus=")
     allowed = parse_allow(allow)
+    if step is not None:
+        check_step(step, allowed, generate, loss_fn, fixed)
     top = 10 if top is None else top
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"top must be a whole number ≥ 1, not {top!r}")
@@ -274,7 +272,7 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
 
         return plan_generate(model, inputs, new_tokens=generate, target=target, device=device, dtype=dtype,
                              allow=allowed, top=top, name=name, progress=progress)
-    base = make_options(optimizer=optimizer, dtype=dtype, device=device)
+    base = make_options(optimizer=optimizer, dtype=dtype, device=device, step=step)
     from ..fake.convert import check_inputs
 
     check_inputs(inputs)
@@ -290,6 +288,8 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
     if fixed and (device != "cuda" or gpus < 2):
         raise ValueError(f"{', '.join(f'{k}={v}' for k, v in fixed.items())}: a layout across GPUs; give gpus= (≥ 2) "
                          "with it")
+    if step is not None:
+        return _plan_step(request, base, target, gpus, net, global_batch, tokens, top, allowed, progress, t0)
     if device == "cuda" and gpus > 1 and (gpus > host_size or "parallel" in allowed or fixed):
         return _plan_layouts(request, base, target, gpus, net, host_size, global_batch, tokens, top, half, fixed,
                              progress, t0)
@@ -310,6 +310,20 @@ def plan(model: Any, inputs: Any, *, gpu: Any = None, gpus: int = 1, global_batc
                                         "(optimizer in backward, the loss in chunks, op-level checkpointing, "
                                         "activations on the host on CUDA), which keep the training's math"))
     return result
+
+
+def _plan_step(request: Request, base: Options, target: Target, gpus: int, net: Network, global_batch: int,
+               tokens: int, top: int, allowed: frozenset[str], progress: Callable[[str], None] | None,
+               t0: float) -> Plan:
+    """The plan of the user's step (``step=fn``): its trace as written, on :func:`step_choices` only."""
+    planner = Planner(request, base, target, gpus, net, progress)
+    space = step_choices(base, global_batch, gpus, allowed)
+    planner.say(f"screening {len(space)} combinations of your step {step_name(base.step)}")
+    result = _rank(planner, space, top, tokens, request, t0)
+    note = (f"your step {step_name(base.step)}(model, batch, optimizer) is traced and timed as written; the plan "
+            "searched only what it leaves to the planner (the sharding over the GPUs, the optimizer's state on the "
+            "host): checkpointing, precision, accumulation, the loss and the recipes' levers are the step's")
+    return replace(result, step=step_name(base.step), notes=(note, *result.notes))
 
 
 def _plan_layouts(request: Request, base: Options, target: Target, gpus: int, net: Network, host: int,
@@ -349,10 +363,7 @@ def lever_space(base: Options, per_rank: int, global_batch: int, gpus: int, allo
     optimizers: list[Any] = [None]
     if "optimizer" in allow and base.device == "cuda" and optimizer_name(base.optimizer).lower() in ("adam", "adamw"):
         optimizers.append("adamw8bit")
-    offloads = (False, True) if base.device == "cuda" else (False,)
-    layouts: list[tuple[int | None, bool]] = [(None, o) for o in offloads]
-    if gpus > 1:
-        layouts += [(z, o) for z in (1, 2, 3) for o in offloads]
+    layouts = searched_layouts(base, gpus)
 
     def make(micro: int, acc: int, ck: Any, zero: Any, off: bool, amp: Any, opt: Any,
              levers: tuple[str, ...]) -> Choice:
@@ -476,7 +487,10 @@ def _row(c: Choice, est: Any, t: StepTime, planner: Any, tokens: int, request: R
                      keyed=isinstance(request.specs, dict))
     per_second = c.global_batch / t.total if t.total > 0 else 0.0
     comms = getattr(planner, "comms", {}).get(c, ())
-    return PlanRow(name=facts.name, options=_kwargs(c, planner), changes=facts.changes, peak=est.peak,
+    name = facts.name
+    if planner.base.step is not None and not facts.changes:  # the user's step, nothing sharded or offloaded
+        name = f"your {step_name(planner.base.step)} as written"
+    return PlanRow(name=name, options=_kwargs(c, planner), changes=facts.changes, peak=est.peak,
                    needed=est.needed, fits=est.fits, step_time=t.total,
                    throughput=per_second * (tokens or 1), time=t.as_dict(), micro_batch=c.micro,
                    accumulate=c.accumulate, numerics=facts.numerics, code=facts.code,

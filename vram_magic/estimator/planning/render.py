@@ -36,8 +36,9 @@ def rate(x: float) -> str:
 def heading(p: Plan) -> str:
     where = f"{p.gpus} × {p.gpu}" if p.gpu else p.device
     bounded = f", {p.bounded} bounded untraced" if p.bounded else ""
-    return (f"%vram_plan {p.model} · {where} · global batch {p.global_batch} · {len(p.scored)} combinations scored"
-            f"{bounded} ({p.traced} fake runs) in {p.wall_time:.1f} s")
+    mine = f" · your step {p.step}() as written" if p.step else ""
+    return (f"%vram_plan {p.model}{mine} · {where} · global batch {p.global_batch} · {len(p.scored)} combinations "
+            f"scored{bounded} ({p.traced} fake runs) in {p.wall_time:.1f} s")
 
 
 def _parts(r: PlanRow) -> str:
@@ -50,7 +51,8 @@ def _footer(p: Plan) -> list[str]:
     lines = []
     best = p.best
     if best is not None:
-        lines.append(f"best: {best.name} — estimate(model, inputs, **plan.best.options) gives its memory")
+        mine = f"step={p.step}, " if p.step else ""
+        lines.append(f"best: {best.name} — estimate(model, inputs, {mine}**plan.best.options) gives its memory")
         lines += [f"  {line}" for code in best.code for line in code.split("\n")]
     if p.calibration is not None:
         lines.append(f"times calibrated ×{p.calibration[0]:.2f} on {p.calibration[1]}")

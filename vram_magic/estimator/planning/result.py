@@ -74,6 +74,7 @@ class Plan(Rendered):
     wall_time: float = 0.0
     bounded: int = 0  # combinations left unscored: a lower bound of their time already above the rows found
     options: Mapping[str, Any] = field(default_factory=dict, repr=False)  # what plan() was given
+    step: str | None = None  # the name of the user's step a plan of step=fn traced as written
 
     @property
     def best(self) -> PlanRow | None:
