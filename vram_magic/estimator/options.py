@@ -3,6 +3,7 @@ accepted values and their parsers (a leaf: it imports nothing else of the estima
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -438,6 +439,17 @@ def parse_recipe(step: Any, keep_output: Any, in_backward: Any, offload_activati
             "checkpointing": True if ops is not None else parse_checkpointing(checkpointing)}
 
 
+@functools.cache
+def fsdp2_available() -> bool:
+    """Whether this PyTorch has FSDP2's public API (``torch.distributed.fsdp.fully_shard`` and its policies: 2.6 on),
+    which the estimates of FSDP2's own mixed precision and offload run."""
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def parse_fsdp2(param_dtype: Any, reduce_dtype: Any, offload: Any, float8: Any, *, zero: Any, amp: Any, master: bool,
                 tp: Any, pp: Any, inference: bool) -> dict[str, Any]:
     """FSDP2's mixed precision (``param_dtype``, ``reduce_dtype``), the offload asked for (``False``, ``True`` or
@@ -456,6 +468,10 @@ def parse_fsdp2(param_dtype: Any, reduce_dtype: Any, offload: Any, float8: Any, 
     if pd is torch.float32:
         raise ValueError("param_dtype is the dtype FSDP2 all-gathers and computes in: bf16 or fp16 (fp32 parameters "
                          "compute in fp32 without it)")
+    if (pd is not None or rd is not None or params) and not fsdp2_available():
+        raise ValueError(f"param_dtype, reduce_dtype and offload='params' are traced with FSDP2's own fully_shard "
+                         f"(torch.distributed.fsdp, PyTorch 2.6 or later; this is {torch.__version__}): upgrade "
+                         f"PyTorch, or estimate zero=3 without them")
     if (pd is not None or rd is not None or params) and zero != 3:
         what = "offload='params' is FSDP2's CPUOffloadPolicy" if params else \
             "param_dtype and reduce_dtype are FSDP2's MixedPrecisionPolicy"

@@ -20,7 +20,7 @@ import torch
 
 from ..device import Target
 from ..fake.request import Request
-from ..options import Options
+from ..options import Options, fsdp2_available
 from ..timing.overlap import Collective, Link, MeshTiming, RankWork, mesh_step
 from ..timing.step_time import Network, rates_for
 from ..tracing.errors import EstimateError
@@ -299,7 +299,7 @@ def layout_space(base: Options, meshes_: list[Mesh], global_batch: int, blocks: 
         for micro, acc, schedule in splits:
             for zero in zeros:
                 precisions: list[tuple[Any, Any]] = [(half if fp32 else None, None)]
-                if fp32 and zero == 3 and mesh.tp == 1 and mesh.pp == 1:
+                if fp32 and zero == 3 and mesh.tp == 1 and mesh.pp == 1 and fsdp2_available():
                     precisions.append((None, half))  # FSDP2's MixedPrecisionPolicy
                 for amp, param_dtype in precisions:
                     for ck in ckpts:

@@ -31,7 +31,7 @@ import torch
 from ..device import Target, make_target
 from ..fake.request import Request
 from ..layouts.zero import ZeroLayout
-from ..options import Options, make_options, optimizer_name, short_dtype
+from ..options import Options, fsdp2_available, make_options, optimizer_name, short_dtype
 from ..timing.cost import GPUS_PER_HOST, OpTimes, StepTime
 from ..timing.step_time import Network, micro_ops, network_for, rates_for, scaled_micro_ops, step_time
 from ..tracing.errors import EstimateError
@@ -211,8 +211,9 @@ def choices(base: Options, per_rank: int, global_batch: int, gpus: int, allow: f
                                 out.append(Choice(m, rank_batch // m, ck, zero, off, amp, lora, quant, opt, g))
     # FSDP2's MixedPrecisionPolicy beside fp32 weights under autocast: each FSDP/ZeRO-3 row with autocast again, with
     # the precision FSDP2's (bf16 all-gathers of fp32 shards, no autocast cache of the weights' casts)
-    out += [replace(c, amp=None, param_dtype=c.amp) for c in out if c.zero == 3 and c.amp is not None
-            and c.tp == 1 and c.pp == 1 and c.optimizer is None]
+    if fsdp2_available():  # PyTorch 2.6 on
+        out += [replace(c, amp=None, param_dtype=c.amp) for c in out if c.zero == 3 and c.amp is not None
+                and c.tp == 1 and c.pp == 1 and c.optimizer is None]
     return out
 
 
