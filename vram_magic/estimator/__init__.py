@@ -4,7 +4,8 @@ modelled on top. See :func:`estimate`.
 
 The estimator's house, in the order a request travels:
 
-* ``options.py`` — what a user may ask, checked once; ``fake/`` — the model and inputs on fake tensors;
+* ``options.py`` and ``parallel_options.py`` — what a user may ask, checked once;
+  ``fake/`` — the model and inputs on fake tensors;
 * ``tracing/`` — the fake run under the engine's tracker, and the plain numbers it leaves;
 * the workloads ``step/`` and ``generate/`` — traced once per configuration that changes the trace;
 * ``device/`` — the target (a GPU, a budget, what CUDA adds); ``layouts/`` — what one rank holds;

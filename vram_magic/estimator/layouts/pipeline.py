@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ...engine.hooks.pipeline import MERGED, outputs_role, received_role
-from ..options import SCHEDULES
+from ..parallel_options import SCHEDULES
 from ..tracing.tracer import BACKWARD, FORWARD, LOSS
 from .tensor import is_dtensor
 
