@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from tests.support import TORCH_BEFORE_2_6
 from tests.support import parallel_runs as pr
+from vram_magic.estimator.layouts.pipeline import buffers_per_use
 
 F32 = 4
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -362,8 +363,10 @@ def test_decoder_stages_hold_their_own_layers_by_hand() -> None:
     r0, r1 = figures["stages-llama-1f1b"]
     assert sum(r0["after_details"]["parameters"].values()) == embed + 4 * layer
     assert sum(r1["after_details"]["parameters"].values()) == 4 * layer + norm + embed
-    assert r0["after_details"]["other"]["pipeline stage 0: receive buffers (gradients)"] == dp.MICRO_BATCHES * hidden
-    assert r1["after_details"]["other"]["pipeline stage 1: receive buffers (activations)"] == dp.MICRO_BATCHES * hidden
+    # torch 2.6–2.13 keep one receive buffer per micro-batch after the step; 2.15's runtime lets go of each after use
+    kept = 0 if buffers_per_use() else dp.MICRO_BATCHES * hidden
+    assert r0["after_details"]["other"].get("pipeline stage 0: receive buffers (gradients)", 0) == kept
+    assert r1["after_details"]["other"].get("pipeline stage 1: receive buffers (activations)", 0) == kept
     assert r1["after_details"]["other"]["pipeline stage 1: outputs kept for the merged output"] == \
         dp.BATCH * dp.SEQ * v * F32
     gemma = figures["stages-gemma-zbv"][0]
@@ -371,5 +374,6 @@ def test_decoder_stages_hold_their_own_layers_by_hand() -> None:
     assert sum(gemma["after_details"]["parameters"].values()) == 2 * embed + 4 * layer + norm
     middle = figures["stages-llama-zbv"][1]
     assert middle["stages"] == [1, 2]
-    assert middle["after_details"]["other"]["pipeline stage 2: receive buffers (activations)"] == \
-        dp.MICRO_BATCHES * hidden
+    if not buffers_per_use():  # (2.15's runtime of the V is not modelled: estimates refuse it there)
+        assert middle["after_details"]["other"]["pipeline stage 2: receive buffers (activations)"] == \
+            dp.MICRO_BATCHES * hidden

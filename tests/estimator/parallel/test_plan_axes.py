@@ -61,6 +61,26 @@ def test_a_traced_tensor_parallel_rank_names_its_collectives() -> None:
     assert volumes == {"all-reduce": 5 * 256 * 256 * F32} and count == 5
 
 
+def test_a_tensor_parallel_rank_keeps_fp32_master_weights_of_its_own_shard() -> None:
+    """bf16 weights with an fp32 master copy (Megatron's mixed precision) on 2 tensor-parallel ranks: each master is
+    the rank's shard, not the whole weight (it was, and AdamW's update failed on the shapes). Per block a rank holds
+    the column-wise Linear(256, 1024)'s 512 × 256 weight and 512 biases, the row-wise Linear(1024, 256)'s 256 × 512
+    weight and its 256 biases whole: 262,912 values, 788,736 over 3 blocks."""
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)) for _ in range(3)])
+    plan = {}
+    for i in range(3):
+        plan[f"{i}.0"], plan[f"{i}.2"] = ColwiseParallel(), RowwiseParallel()
+    est = vram_magic.estimate(blocks, torch.randn(256, 256), device="cpu", tp=2, parallelize_plan=plan, dtype="bf16",
+                              master_weights="fp32", loss_fn=lambda out: out.float().sum())
+    values = 3 * (512 * 256 + 512 + 256 * 512 + 256)
+    assert values == 788_736
+    detail = dict(((cat, what), n) for cat, what, n in est.peak.detail)
+    assert est.peak.parameters == 2 * values and est.peak.gradients == 2 * values
+    assert detail["optimizer_state", "fp32 master weights"] == F32 * values
+    assert detail["optimizer_state", "exp_avg"] == detail["optimizer_state", "exp_avg_sq"] == F32 * values
+    assert est.peak.optimizer_state == 3 * F32 * values + 6 * 2 * 4  # and AdamW's step counter per parameter
+
+
 def test_the_planner_offers_tensor_and_pipeline_parallelism_when_allowed() -> None:
     base = make_options()
     assert model_parallel_choices(base, 16, 4, allowed=False) == []

@@ -18,6 +18,7 @@ from torch import nn
 import vram_magic
 from tests.support import TORCH_BEFORE_2_6
 from tests.support import parallel_runs as pr
+from vram_magic.estimator.layouts.pipeline import RUNTIME, buffers_per_use
 
 F32 = 4
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
@@ -179,6 +180,9 @@ def test_decoder_stages_per_rank_match_gloo(world: int, name: str) -> None:
     stage's forward) and a V's locally passed tensors under other, the estimate under activations."""
     from tests.support import decoder_pipelines
 
+    if pr.CASES[name].schedule in RUNTIME and buffers_per_use():
+        pytest.skip(f"{pr.CASES[name].schedule} on this PyTorch's pipelining runtime (receive buffers made per use) "
+                    "is not modelled: estimates refuse it (test_stages.py checks the refusal)")
     figures = measured_stages(world)[name]
     est = decoder_pipelines.estimate(pr.CASES[name], world)
     assert len(est.ranks) == world

@@ -5,12 +5,15 @@ overlaps, the layouts it refuses with what to give instead, and that each row sh
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
 import vram_magic
 from vram_magic.estimator.device.gpus import find_gpu
+from vram_magic.estimator.layouts.pipeline import buffers_per_use
 from vram_magic.estimator.options import fsdp2_available, make_options
 from vram_magic.estimator.planning.choices import Choice, describe
 from vram_magic.estimator.planning.layout_planner import layout_space
@@ -57,6 +60,7 @@ def test_the_search_takes_every_micro_batch_count_dividing_the_batch_including_8
     assert {c.accumulate for c in space} == {1, 2, 4, 8, 16, 32, 64}
     assert {c.zero for c in space} == {None, 1, 2, 3}
     assert {c.checkpointing for c in space} == {False, True, "ops", 2}
+    assert all(c.master is None for c in space)  # data parallelism alone: FSDP2's own policy is the half precision
     # FSDP2's MixedPrecisionPolicy (bf16 gathers, fp32 reduce) beside bf16 autocast, where PyTorch has FSDP2 (2.6 on)
     if not fsdp2_available():
         assert all(c.param_dtype is None for c in space)
@@ -66,10 +70,28 @@ def test_the_search_takes_every_micro_batch_count_dividing_the_batch_including_8
     assert fsdp2.options(base, 8).param_dtype == torch.bfloat16
 
 
+def test_tensor_and_pipeline_layouts_offer_half_weights_with_fp32_master_weights() -> None:
+    """Where FSDP2's MixedPrecisionPolicy is not traced (tensor or pipeline parallelism), the ZeRO paper's mixed
+    precision stands beside autocast: bf16 weights and gradients, an fp32 master copy in the (sharded) optimizer,
+    without autocast's bf16 copy of every weight kept through the forward."""
+    base = make_options(device="cuda")
+    for mesh in (Mesh(2, 1, 1, 4, 8), Mesh(1, 1, 2, 4, 8)):
+        space = layout_space(base, [mesh], 64, 8, torch.bfloat16)
+        master = [c for c in space if c.master is not None]
+        assert master and {c.zero for c in master} == {None, 1, 2, 3}
+        assert all(c.amp is None and c.param_dtype is None for c in master)
+        assert len(master) == len([c for c in space if c.amp is not None])  # one beside each autocast combination
+        opts = master[0].options(base, 8)
+        assert (opts.dtype, opts.master_weights, opts.amp) == (torch.bfloat16, True, None)
+        assert "bf16 weights + fp32 master weights" in describe(master[0], base, gpus=8).name
+        assert master[0].trace_class() != replace(master[0], master=None, amp=torch.bfloat16).trace_class()
+
+
 def test_the_pipeline_searches_its_schedules_and_micro_batches() -> None:
     base = make_options(device="cuda")
     space = layout_space(base, [Mesh(1, 1, 4, 2, 8)], 64, 8, torch.bfloat16)
-    assert {c.schedule for c in space} == {"1f1b", "interleaved", "zbv"}
+    # ZB-V where the pipelining runtime is modelled for it (2.6–2.13; not 2.15's, whose estimates refuse it)
+    assert {c.schedule for c in space} == {"1f1b", "interleaved"} | (set() if buffers_per_use() else {"zbv"})
     assert all(c.accumulate >= 4 and 32 % c.accumulate == 0 for c in space)
     assert all(c.micro * c.accumulate == 32 for c in space)
 

@@ -60,10 +60,6 @@ class RankTrace:
         if two and opts.split_points:
             raise ValueError(f"{cls} runs two stages a rank, split evenly from the layers; give pp as a number with "
                              "it")
-        if opts.schedule in pipeline.RUNTIME and pipeline.buffers_per_use():
-            raise ValueError(f"{cls} is modelled as torch 2.13's pipelining runs it; this PyTorch "
-                             f"({torch.__version__}) makes receive buffers per use, which is not modelled for it: "
-                             "estimate schedule='1f1b', 'gpipe' or 'interleaved'")
         cut = pipeline.split(model, ranks * (2 if two else 1), opts.split_points, units_of)
         n = len(cut.stages)
         m = self.micro_batches
@@ -72,6 +68,10 @@ class RankTrace:
             from .schedule_runtime import RuntimeRank, runtime_actions
 
             order = runtime_actions(opts.schedule, opts.pp_rank, ranks, m, n)
+            if pipeline.buffers_per_use():  # (after what PyTorch itself refuses of the layout)
+                raise ValueError(f"{cls} is modelled as torch 2.13's pipelining runs it; this PyTorch "
+                                 f"({torch.__version__}) makes receive buffers per use, which is not modelled for "
+                                 "it: estimate schedule='1f1b', 'gpipe' or 'interleaved'")
         else:
             order = pipeline.actions(opts.schedule, opts.pp_rank, ranks, m, n)
         mine = pipeline.stages_of(opts.pp_rank, ranks, n, opts.schedule)

@@ -39,6 +39,10 @@ class Choice:
     cp: int = 1  # context-parallel ranks (the sequence sharded over them)
     schedule: str = "1f1b"  # the pipeline's schedule (pp ≥ 2)
     replicas: int = 1  # HSDP: the data-parallel ranks shard inside a host and replicate over this many hosts
+    # half-precision weights and gradients with an fp32 master copy in the optimizer (the ZeRO paper's mixed
+    # precision, DeepSpeed's bf16): the layouts' precision beside autocast where FSDP2's MixedPrecisionPolicy is not
+    # traced (with tp or pp)
+    master: torch.dtype | None = None
 
     @property
     def per_rank(self) -> int:
@@ -48,7 +52,8 @@ class Choice:
         """What changes the fake run besides the micro-batch and accumulation."""
         return (self.checkpointing, self.amp, self.lora, self.quantize, self.optimizer, self.tp, self.pp) + \
             ((self.param_dtype,) if self.param_dtype is not None else ()) + ((self.levers,) if self.levers else ()) + \
-            ((self.cp, self.schedule) if self.cp > 1 or self.pp > 1 else ())
+            ((self.cp, self.schedule) if self.cp > 1 or self.pp > 1 else ()) + \
+            (("master", self.master) if self.master is not None else ())
 
     def shards(self, gpus: int) -> int:
         """The ranks a ZeRO stage shards over: the data-parallel and context-parallel ranks (a host's under HSDP)."""
@@ -63,6 +68,8 @@ class Choice:
             plain = replace(self, levers=(), checkpointing=True if self.checkpointing == "ops" else self.checkpointing)
             return plain.options(base, gpus).with_(**lever_options(self.levers, self.checkpointing))
         fsdp2 = {"param_dtype": self.param_dtype, "reduce_dtype": torch.float32} if self.param_dtype else {}
+        if self.master is not None:
+            fsdp2 = {"dtype": self.master, "master_weights": True}
         # the micro-batches are the pipeline's; ZeRO, if any, over the dp × cp ranks (an HSDP replica's)
         return base.with_(batch=self.per_rank, accumulate=self.accumulate if self.pp == 1 else 1,
                           checkpointing=self.checkpointing, zero=self.zero,
@@ -156,6 +163,15 @@ def describe(c: Choice, base: Options, *, model: Any = None, gpu: Any = None, gp
         changes.append(f"FSDP2 {short_dtype(c.param_dtype)} params / fp32 reduce (MixedPrecisionPolicy)")
         numerics.append(f"{short_dtype(c.param_dtype)} compute (FSDP2 casts the gathered weights, the activations "
                         "follow), fp32 weights, gradient reduction and update")
+    if c.master is not None:
+        name = short_dtype(c.master)
+        changes.append(f"{name} weights + fp32 master weights")
+        numerics.append(f"{name} weights, gradients and compute; the optimizer updates an fp32 master copy (the ZeRO "
+                        "paper's mixed precision: 2 + 2 + 12 bytes a parameter with AdamW)")
+        code.append(f"deepspeed config: {{'{'bf16' if c.master == torch.bfloat16 else 'fp16'}': {{'enabled': True}}, "
+                    f"'zero_optimization': {{'stage': {c.zero or 0}}}}}  # half-precision weights, fp32 master")
+        trade.append("gradients are reduced in half precision; Megatron-LM's bf16 keeps an fp32 gradient buffer "
+                     "instead (2 more bytes a parameter)")
     if c.amp is not None:
         name = short_dtype(c.amp)
         changes.append(f"{name} autocast")

@@ -98,7 +98,7 @@ class LayoutPlanner:
     def _key(self, c: Choice) -> tuple[Any, ...]:
         ck = False if c.checkpointing is False else ("ops" if c.checkpointing == "ops" else True)
         world = c.shards(self.gpus) if c.param_dtype is not None else None
-        return (ck, c.amp, c.param_dtype, c.tp, world, c.lora, c.quantize, c.optimizer)
+        return (ck, c.amp, c.param_dtype, c.tp, world, c.lora, c.quantize, c.optimizer, c.master)
 
     def anchor(self, c: Choice) -> _Anchor | None:
         """``c``'s trace class at the shallow depths (``None`` where the model does not run that way)."""
@@ -186,7 +186,7 @@ class LayoutPlanner:
         heads, kv_heads = self.survey.heads
         heads, kv_heads = (heads or 1) // c.tp, (kv_heads or heads or 1) // c.tp
         head_dim = getattr(config, "head_dim", None) or self.survey.hidden // max(self.survey.heads[0] or 1, 1)
-        itemsize = 2 if (c.amp is not None or c.param_dtype is not None) else 4
+        itemsize = 2 if (c.amp is not None or c.param_dtype is not None or c.master is not None) else 4
         tokens = c.micro * (self.seq // c.cp) * head_dim * itemsize
         ring = RingShapes(c.cp, self.survey.blocks, heads * tokens, kv_heads * tokens, itemsize)
         return float(ring.kv), float(max(ring.forward(), ring.backward()))
@@ -199,7 +199,7 @@ class LayoutPlanner:
 
     def _time(self, c: Choice, work: RankWork, stage: Stage) -> tuple[Any, tuple[Collective, ...]]:
         """``c``'s step from one rank's work (the busiest stage's): the pipeline's sends and the ring's bytes added."""
-        itemsize = 2 if (c.amp is not None or c.param_dtype is not None) else 4
+        itemsize = 2 if (c.amp is not None or c.param_dtype is not None or c.master is not None) else 4
         p2p = c.micro * ((self.seq or 1) // c.cp) * self.survey.hidden * itemsize / c.tp if c.pp > 1 else 0.0
         ring = self._ring(c)[0]
         work = replace(work, p2p=p2p, ring=ring, attentions=int(round(stage.blocks)) if ring else 0)
@@ -271,7 +271,7 @@ class LayoutPlanner:
 
 def layout_space(base: Options, meshes_: list[Mesh], global_batch: int, blocks: int, half: Any) -> list[Choice]:
     """Every combination the layout search scores (module documentation)."""
-    from ..layouts.pipeline import check_micro_batches
+    from ..layouts.pipeline import RUNTIME, buffers_per_use, check_micro_batches
 
     fp32 = base.dtype not in (torch.bfloat16, torch.float16)
     ckpts: list[Any] = [False, True, "ops"] + ([2] if blocks >= 4 else [])
@@ -283,6 +283,8 @@ def layout_space(base: Options, meshes_: list[Mesh], global_batch: int, blocks: 
         if mesh.pp > 1:
             splits = []
             for schedule in SCHEDULES:
+                if schedule in RUNTIME and buffers_per_use():  # not modelled on that runtime (estimates refuse it)
+                    continue
                 stages_ = mesh.pp * (2 if schedule != "1f1b" else 1)
                 if blocks % stages_:
                     continue
@@ -298,14 +300,16 @@ def layout_space(base: Options, meshes_: list[Mesh], global_batch: int, blocks: 
             splits = [(d, per // d, "1f1b") for d in divisors]
         for micro, acc, schedule in splits:
             for zero in zeros:
-                precisions: list[tuple[Any, Any]] = [(half if fp32 else None, None)]
+                precisions: list[tuple[Any, Any, Any]] = [(half if fp32 else None, None, None)]
                 if fp32 and zero == 3 and mesh.tp == 1 and mesh.pp == 1 and fsdp2_available():
-                    precisions.append((None, half))  # FSDP2's MixedPrecisionPolicy
-                for amp, param_dtype in precisions:
+                    precisions.append((None, half, None))  # FSDP2's MixedPrecisionPolicy
+                elif fp32 and (mesh.tp > 1 or mesh.pp > 1) and base.lora is None and base.quantize is None:
+                    precisions.append((None, None, half))  # half-precision weights, fp32 master (the ZeRO paper's)
+                for amp, param_dtype, master in precisions:
                     for ck in ckpts:
                         out.append(Choice(micro, acc, ck, zero, False, amp, base.lora, base.quantize, None,
                                           global_batch, tp=mesh.tp, pp=mesh.pp, param_dtype=param_dtype,
-                                          cp=mesh.cp, schedule=schedule, replicas=mesh.replicas))
+                                          cp=mesh.cp, schedule=schedule, replicas=mesh.replicas, master=master))
     return out
 
 

@@ -530,6 +530,8 @@ def _kwargs(c: Choice, planner: Any) -> dict[str, Any]:
         out["offload"] = True
     if c.param_dtype is not None:
         out.update(param_dtype=short_dtype(c.param_dtype), reduce_dtype="fp32")
+    if c.master is not None:
+        out.update(dtype=short_dtype(c.master), master_weights="fp32")
     if c.tp > 1:
         out["tp"] = c.tp
     if c.cp > 1:

@@ -176,7 +176,8 @@ class _FakeStep:
         if not opts.inference:
             with mode:
                 if opts.master_weights:  # the optimizer updates an fp32 copy; the model keeps bf16/fp16 weights
-                    self.masters = [nn.Parameter(torch.empty(p.shape, dtype=torch.float32)) for p in self.trainable]
+                    # empty_like: a tensor-parallel rank's DTensor parameter gets a master of its own shard
+                    self.masters = [nn.Parameter(torch.empty_like(p, dtype=torch.float32)) for p in self.trainable]
                 self.optimizer = make_step_optimizer(opts, self.masters or self.trainable)
         self.registry = LiveStorages()
         self.experts = ExpertLabels.of(model, self.trainable, self.masters, self.optimizer, self._events)
