@@ -48,6 +48,11 @@ class Choice:
     def per_rank(self) -> int:
         return self.micro * self.accumulate
 
+    @property
+    def half_compute(self) -> bool:
+        """Whether the activations are in half precision (autocast, FSDP2's ``param_dtype`` or half weights)."""
+        return self.amp is not None or self.param_dtype is not None or self.master is not None
+
     def trace_class(self) -> tuple[Any, ...]:
         """What changes the fake run besides the micro-batch and accumulation."""
         return (self.checkpointing, self.amp, self.lora, self.quantize, self.optimizer, self.tp, self.pp) + \
@@ -67,9 +72,8 @@ class Choice:
         if self.levers or self.checkpointing == "ops":
             plain = replace(self, levers=(), checkpointing=True if self.checkpointing == "ops" else self.checkpointing)
             return plain.options(base, gpus).with_(**lever_options(self.levers, self.checkpointing))
-        fsdp2 = {"param_dtype": self.param_dtype, "reduce_dtype": torch.float32} if self.param_dtype else {}
-        if self.master is not None:
-            fsdp2 = {"dtype": self.master, "master_weights": True}
+        precision = {"param_dtype": self.param_dtype, "reduce_dtype": torch.float32} if self.param_dtype else \
+            {"dtype": self.master, "master_weights": True} if self.master is not None else {}
         # the micro-batches are the pipeline's; ZeRO, if any, over the dp × cp ranks (an HSDP replica's)
         return base.with_(batch=self.per_rank, accumulate=self.accumulate if self.pp == 1 else 1,
                           checkpointing=self.checkpointing, zero=self.zero,
@@ -77,7 +81,7 @@ class Choice:
                           lora=self.lora, quantize=self.quantize,
                           optimizer=self.optimizer if self.optimizer is not None else base.optimizer,
                           tp=self.tp, pp=self.pp, cp=self.cp, micro_batches=self.accumulate if self.pp > 1 else None,
-                          schedule=self.schedule if self.pp > 1 else "1f1b", **fsdp2)
+                          schedule=self.schedule if self.pp > 1 else "1f1b", **precision)
 
 
 def searched_batches(global_batch: int, gpus: int, allow: frozenset[str]) -> list[int]:

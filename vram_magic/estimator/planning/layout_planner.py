@@ -186,7 +186,7 @@ class LayoutPlanner:
         heads, kv_heads = self.survey.heads
         heads, kv_heads = (heads or 1) // c.tp, (kv_heads or heads or 1) // c.tp
         head_dim = getattr(config, "head_dim", None) or self.survey.hidden // max(self.survey.heads[0] or 1, 1)
-        itemsize = 2 if (c.amp is not None or c.param_dtype is not None or c.master is not None) else 4
+        itemsize = 2 if c.half_compute else 4
         tokens = c.micro * (self.seq // c.cp) * head_dim * itemsize
         ring = RingShapes(c.cp, self.survey.blocks, heads * tokens, kv_heads * tokens, itemsize)
         return float(ring.kv), float(max(ring.forward(), ring.backward()))
@@ -199,7 +199,7 @@ class LayoutPlanner:
 
     def _time(self, c: Choice, work: RankWork, stage: Stage) -> tuple[Any, tuple[Collective, ...]]:
         """``c``'s step from one rank's work (the busiest stage's): the pipeline's sends and the ring's bytes added."""
-        itemsize = 2 if (c.amp is not None or c.param_dtype is not None or c.master is not None) else 4
+        itemsize = 2 if c.half_compute else 4
         p2p = c.micro * ((self.seq or 1) // c.cp) * self.survey.hidden * itemsize / c.tp if c.pp > 1 else 0.0
         ring = self._ring(c)[0]
         work = replace(work, p2p=p2p, ring=ring, attentions=int(round(stage.blocks)) if ring else 0)
@@ -275,6 +275,8 @@ def layout_space(base: Options, meshes_: list[Mesh], global_batch: int, blocks: 
 
     fp32 = base.dtype not in (torch.bfloat16, torch.float16)
     ckpts: list[Any] = [False, True, "ops"] + ([2] if blocks >= 4 else [])
+    # the zero-bubble schedules where this PyTorch's pipelining runtime is modelled for them (estimates refuse it else)
+    schedules = [s for s in SCHEDULES if not (s in RUNTIME and buffers_per_use())]
     out: list[Choice] = []
     for mesh in meshes_:
         per = global_batch // mesh.dp
@@ -282,9 +284,7 @@ def layout_space(base: Options, meshes_: list[Mesh], global_batch: int, blocks: 
         zeros: list[int | None] = [3] if mesh.hsdp else ([None, 1, 2, 3] if mesh.shard > 1 else [None])
         if mesh.pp > 1:
             splits = []
-            for schedule in SCHEDULES:
-                if schedule in RUNTIME and buffers_per_use():  # not modelled on that runtime (estimates refuse it)
-                    continue
+            for schedule in schedules:
                 stages_ = mesh.pp * (2 if schedule != "1f1b" else 1)
                 if blocks % stages_:
                     continue
